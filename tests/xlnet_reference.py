@@ -1,0 +1,71 @@
+"""Float64 reference for XLNet relative attention, written from the original formulation:
+the relative term goes through the literal reshape ``rel_shift`` of the original code."""
+
+import math
+
+import torch
+
+
+def rel_shift_literal(x: torch.Tensor, klen: int) -> torch.Tensor:
+    """XLNet's rel_shift on (qlen, R): reshape (R, qlen), drop a row, reshape (qlen, R-1), keep klen."""
+    qlen, R = x.shape
+    x = x.reshape(R, qlen)[1:].reshape(qlen, R - 1)
+    return x[:, :klen]
+
+
+def reference_attention(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None,
+                        q_seg=None, k_seg=None, attn_mask=None, q_rank=None, k_rank=None,
+                        self_visible=True, q_pos=None, qlen=None, scale=None):
+    """Same contract as xlnet_fast.rel_attention, float64, loops over batch and heads."""
+    B, M, H, D = q.shape
+    K, R = k.shape[1], k_r.shape[1]
+    qlen = M if qlen is None else qlen
+    mlen = K - qlen
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    pos = torch.arange(M).expand(B, M) if q_pos is None else q_pos.long()
+    outs = []
+    for b in range(B):
+        heads = []
+        for h in range(H):
+            qb, kb, vb = q[b, :, h].double(), k[b, :, h].double(), v[b, :, h].double()
+            krb = k_r[b if k_r.shape[0] > 1 else 0, :, h].double()
+            ac = (qb + r_w_bias[h].double()) @ kb.T
+            raw = (qb + r_r_bias[h].double()) @ krb.T  # (M, R)
+            bd = torch.zeros(M, K, dtype=torch.float64)
+            for i in range(M):
+                p = int(pos[b, i])
+                if p < 0:
+                    continue
+                full = torch.zeros(qlen, R, dtype=torch.float64)
+                full = full.index_put((torch.tensor([p]),), raw[i][None])
+                bd = bd.index_put((torch.tensor([i]),), rel_shift_literal(full, K)[p][None])
+            score = ac + bd
+            if seg_embed is not None:
+                diff = (q_seg[b][:, None] != k_seg[b][None, :]).long()
+                onehot = torch.nn.functional.one_hot(diff, 2).double()  # (M, K, 2)
+                ef_s = (qb + r_s_bias[h].double()) @ seg_embed[:, h].double().T  # (M, 2)
+                score = score + torch.einsum("ijs,is->ij", onehot, ef_s)
+            score = score * scale
+            blocked = torch.zeros(M, K, dtype=torch.bool)
+            if attn_mask is not None:
+                blocked = attn_mask[b].clone()
+            if q_rank is not None:
+                blocked = ~(k_rank[b][None, :].long() < q_rank[b][:, None].long())
+                if self_visible:
+                    for i in range(M):
+                        if pos[b, i] >= 0:
+                            blocked[i, mlen + int(pos[b, i])] = False
+            for i in range(M):
+                p = int(pos[b, i])
+                if p < 0:
+                    blocked[i] = True
+                    continue
+                for j in range(K):
+                    if qlen + j - p >= R:
+                        blocked[i, j] = True
+            score = score.masked_fill(blocked, float("-inf"))
+            prob = torch.softmax(score, -1)
+            prob = torch.where(blocked.all(-1, keepdim=True), torch.zeros_like(prob), prob)
+            heads.append(prob @ vb)
+        outs.append(torch.stack(heads, 1))
+    return torch.stack(outs, 0)

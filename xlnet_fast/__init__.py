@@ -1,0 +1,7 @@
+"""xlnet_fast: fast XLNet with fused relative attention."""
+
+from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["rel_attention", "attention_probabilities", "INT32_MIN", "INT32_MAX", "__version__"]
