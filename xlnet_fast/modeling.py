@@ -1,0 +1,893 @@
+"""A complete PyTorch XLNet with HuggingFace ``transformers`` parameter names, forward arguments and
+outputs. Activations are batch-first ``(B, L, d_model)`` inside; mems are seq-first
+``(mlen, B, d_model)`` at the boundary, like HF, so they are interchangeable.
+
+Every attention call goes through ``xlnet_fast.rel_attention``: the model builds compact rank masks
+where the inputs allow it (padding, causal ``"uni"``, the model's own permutation ranks), a dense mask
+only for a user's ``perm_mask`` (or ``same_length``), and runs the query stream on the target rows
+only when ``target_mapping`` is one-hot (or ``target_pos`` is given).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .config import XLNetConfig
+from .masks import block_padding, with_memory
+from .ops import attention_probabilities, rel_attention
+
+logger = logging.getLogger(__name__)
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "tanh": torch.tanh,
+}
+
+
+def _activation(name):
+    if callable(name):
+        return name
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; choose from {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------------
+
+
+class ModelOutput:
+    """Dataclass output that also indexes like HF's: ``out[0]`` is the first field that is not None."""
+
+    def to_tuple(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return getattr(self, key)
+        return self.to_tuple()[key]
+
+    def keys(self):
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+@dataclass
+class XLNetModelOutput(ModelOutput):
+    last_hidden_state: Tensor | None = None
+    mems: list[Tensor] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple | None = None
+
+
+@dataclass
+class XLNetLMHeadModelOutput(ModelOutput):
+    loss: Tensor | None = None
+    logits: Tensor | None = None
+    mems: list[Tensor] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple | None = None
+
+
+XLNetForSequenceClassificationOutput = XLNetLMHeadModelOutput
+XLNetForTokenClassificationOutput = XLNetLMHeadModelOutput
+XLNetForMultipleChoiceOutput = XLNetLMHeadModelOutput
+
+
+@dataclass
+class XLNetForQuestionAnsweringSimpleOutput(ModelOutput):
+    loss: Tensor | None = None
+    start_logits: Tensor | None = None
+    end_logits: Tensor | None = None
+    mems: list[Tensor] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple | None = None
+
+
+@dataclass
+class XLNetForQuestionAnsweringOutput(ModelOutput):
+    loss: Tensor | None = None
+    start_top_log_probs: Tensor | None = None
+    start_top_index: Tensor | None = None
+    end_top_log_probs: Tensor | None = None
+    end_top_index: Tensor | None = None
+    cls_logits: Tensor | None = None
+    mems: list[Tensor] | None = None
+    hidden_states: tuple[Tensor, ...] | None = None
+    attentions: tuple | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention inputs shared by every layer of one forward
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamInputs:
+    """What each layer passes to ``rel_attention`` besides q/k/v/k_r and the biases.
+
+    ``content``/``query`` hold the op's keyword arguments for the two streams. ``target_mapping``
+    is set only for the general query-stream path (queries mapped onto all L positions, as HF does).
+    ``k_r_index`` expands the two bi_data position embeddings to the batch.
+    """
+
+    content: dict[str, Any]
+    query: dict[str, Any] | None = None
+    target_mapping: Tensor | None = None
+    k_r_index: Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------
+
+
+class XLNetRelativeAttention(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.config = config
+        self.n_head, self.d_head, self.d_model = config.n_head, config.d_head, config.d_model
+        shape = (config.d_model, config.n_head, config.d_head)
+        self.q = nn.Parameter(torch.empty(shape))
+        self.k = nn.Parameter(torch.empty(shape))
+        self.v = nn.Parameter(torch.empty(shape))
+        self.o = nn.Parameter(torch.empty(shape))
+        self.r = nn.Parameter(torch.empty(shape))
+        self.r_r_bias = nn.Parameter(torch.empty(config.n_head, config.d_head))
+        self.r_s_bias = nn.Parameter(torch.empty(config.n_head, config.d_head))
+        self.r_w_bias = nn.Parameter(torch.empty(config.n_head, config.d_head))
+        self.seg_embed = nn.Parameter(torch.empty(2, config.n_head, config.d_head))
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def _project(self, x: Tensor, weight: Tensor) -> Tensor:
+        """(..., d_model) @ (d_model, H, D) -> (..., H, D)."""
+        return torch.matmul(x, weight.flatten(1)).unflatten(-1, (self.n_head, self.d_head))
+
+    def post_attention(self, h: Tensor, attn_vec: Tensor) -> Tensor:
+        out = torch.matmul(attn_vec.flatten(-2), self.o.flatten(1).t())
+        return self.layer_norm(self.dropout(out) + h)
+
+    def _attend(self, q, k, v, k_r, kwargs: dict, output_attentions: bool):
+        if "q_seg" in kwargs:
+            kwargs = {**kwargs, "r_s_bias": self.r_s_bias, "seg_embed": self.seg_embed}
+        out = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs,
+                            dropout_p=self.config.dropout if self.training else 0.0,
+                            backend=self.config.attn_backend)
+        probs = None
+        if output_attentions:
+            probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
+        return out, probs
+
+    def forward(self, h: Tensor, g: Tensor | None, pos_emb: Tensor, mems: Tensor | None,
+                streams: StreamInputs, output_attentions: bool = False):
+        """h (B, L, d), g (B, P, d) or None, pos_emb (Br, R, d), mems (B, mlen, d) or None."""
+        cat = h if mems is None else torch.cat([mems.to(h.dtype), h], dim=1)
+        k = self._project(cat, self.k)
+        v = self._project(cat, self.v)
+        k_r = self._project(pos_emb.to(self.r.dtype), self.r)
+        if streams.k_r_index is not None:
+            k_r = k_r[streams.k_r_index]
+        attn_h, prob_h = self._attend(self._project(h, self.q), k, v, k_r, streams.content,
+                                      output_attentions)
+        out_h = self.post_attention(h, attn_h)
+        if g is None:
+            return out_h, None, prob_h
+
+        q_g = self._project(g, self.q)
+        tm = streams.target_mapping
+        if tm is not None:  # general path: queries placed on all L positions, as HF does
+            q_g = torch.einsum("bpl,bphd->blhd", tm.to(q_g.dtype), q_g)
+        attn_g, prob_g = self._attend(q_g, k, v, k_r, streams.query, output_attentions)
+        if tm is not None:
+            attn_g = torch.einsum("bpl,blhd->bphd", tm.to(attn_g.dtype), attn_g)
+        out_g = self.post_attention(g, attn_g)
+        return out_h, out_g, (prob_h, prob_g) if output_attentions else None
+
+
+class XLNetFeedForward(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.layer_1 = nn.Linear(config.d_model, config.d_inner)
+        self.layer_2 = nn.Linear(config.d_inner, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+        self.activation_function = _activation(config.ff_activation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.dropout(self.activation_function(self.layer_1(x)))
+        y = self.dropout(self.layer_2(y))
+        return self.layer_norm(y + x)
+
+
+class XLNetLayer(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.rel_attn = XLNetRelativeAttention(config)
+        self.ff = XLNetFeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, h, g, pos_emb, mems, streams: StreamInputs, output_attentions=False):
+        h, g, probs = self.rel_attn(h, g, pos_emb, mems, streams, output_attentions)
+        return self.ff(h), (self.ff(g) if g is not None else None), probs
+
+
+# --------------------------------------------------------------------------------------------------
+# Base class: init, loading and saving in HF's format
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_state_file(path: str) -> dict[str, Tensor]:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(f"could not read checkpoint file {path}: it is truncated or corrupted ({exc})") from exc
+
+
+class XLNetPreTrainedModel(nn.Module):
+    """Shared init, ``from_pretrained`` and ``save_pretrained`` (HF directory format)."""
+
+    base_model_prefix = "transformer"
+    _tied_weights_keys: dict[str, str] = {}
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        if not isinstance(config, XLNetConfig):
+            raise TypeError(f"config must be an XLNetConfig, got {type(config).__name__}")
+        self.config = config
+
+    def post_init(self) -> None:
+        self.apply(self._init_weights)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        pass
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, XLNetRelativeAttention):
+            for p in (module.q, module.k, module.v, module.o, module.r, module.r_r_bias,
+                      module.r_s_bias, module.r_w_bias, module.seg_embed):
+                nn.init.normal_(p, mean=0.0, std=std)
+        elif isinstance(module, XLNetModel):
+            nn.init.normal_(module.mask_emb, mean=0.0, std=std)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        self.config.architectures = [type(self).__name__]
+        self.config.save_pretrained(directory)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
+                 if k not in self._tied_weights_keys}
+        save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, config: XLNetConfig | None = None,
+                        **config_overrides: Any):
+        """Load a directory written by ``transformers`` or by ``save_pretrained``.
+
+        Keyword arguments override config fields (e.g. ``attn_backend="eager"``).
+        """
+        directory = os.fspath(directory)
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"{directory} is not a directory")
+        if config is None:
+            config = XLNetConfig.from_pretrained(directory, **config_overrides)
+        model = cls(config)
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            path = os.path.join(directory, name)
+            if os.path.exists(path):
+                break
+        else:
+            raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {directory}")
+        state = _load_state_file(path)
+        model.load_hf_state_dict(state, source=path)
+        return model
+
+    def load_hf_state_dict(self, state: dict[str, Tensor], source: str = "state dict") -> None:
+        """Load HF-named weights, adding or removing the ``transformer.`` prefix as needed.
+
+        Missing and unexpected keys are reported by name (tied weights are not missing).
+        """
+        prefix = self.base_model_prefix + "."
+        own = self.state_dict()
+        has_prefix = any(k.startswith(prefix) for k in own)
+        fixed = {}
+        for key, value in state.items():
+            if has_prefix and not key.startswith(prefix) and prefix + key in own:
+                key = prefix + key
+            elif not has_prefix and key.startswith(prefix):
+                key = key[len(prefix):]
+            fixed[key] = value
+        for key, value in fixed.items():
+            if key in own and own[key].shape != value.shape:
+                raise ValueError(f"{source}: {key} has shape {tuple(value.shape)}, the model expects "
+                                 f"{tuple(own[key].shape)}")
+        result = self.load_state_dict(fixed, strict=False)
+        missing = [k for k in result.missing_keys if k not in self._tied_weights_keys]
+        if missing:
+            logger.warning("%s: weights not found, left at their initial values: %s", source, missing)
+        if result.unexpected_keys:
+            logger.warning("%s: unexpected weights ignored: %s", source, result.unexpected_keys)
+        self.tie_weights()
+
+
+# --------------------------------------------------------------------------------------------------
+# The backbone
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_bool_padding(attention_mask: Tensor | None, input_mask: Tensor | None) -> Tensor | None:
+    """(B, L) True where a token is padding, from HF's ``attention_mask`` (0 = pad) or ``input_mask``
+    (1 = pad)."""
+    if attention_mask is not None and input_mask is not None:
+        raise ValueError("pass only one of attention_mask (0 = padding) and input_mask (1 = padding)")
+    if input_mask is not None:
+        return input_mask > 0
+    if attention_mask is not None:
+        return (1.0 - attention_mask.float()) > 0
+    return None
+
+
+def _one_hot_targets(target_mapping: Tensor) -> Tensor | None:
+    """(B, P) target positions if ``target_mapping`` is one-hot rows (or empty rows, -1) with no
+    position targeted twice; else None."""
+    tm = target_mapping
+    binary = bool(((tm == 0) | (tm == 1)).all())
+    if not binary:
+        return None
+    rows, cols = tm.sum(-1), tm.sum(-2)
+    if bool((rows > 1).any()) or bool((cols > 1).any()):
+        return None
+    pos = tm.argmax(-1)
+    return torch.where(rows > 0, pos, torch.full_like(pos, -1))
+
+
+class XLNetModel(XLNetPreTrainedModel):
+    base_model_prefix = "transformer"
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.word_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.mask_emb = nn.Parameter(torch.empty(1, 1, config.d_model))
+        self.layer = nn.ModuleList([XLNetLayer(config) for _ in range(config.n_layer)])
+        self.dropout = nn.Dropout(config.dropout)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.word_embedding
+
+    def set_input_embeddings(self, emb: nn.Embedding) -> None:
+        self.word_embedding = emb
+
+    def relative_positional_encoding(self, qlen: int, klen: int, device) -> Tensor:
+        """Sinusoids ``(Br0, R, d_model)``; ``Br0 = 2`` with bi_data (forward, then negated positions)."""
+        c = self.config
+        freq_seq = torch.arange(0, c.d_model, 2, device=device).float()
+        inv_freq = 1 / torch.pow(10000, freq_seq / c.d_model)
+        end = -qlen if c.attn_type == "bi" else -1
+        fwd = torch.arange(klen, end, -1, device=device).float()
+        seqs = torch.stack([fwd, -fwd]) if c.bi_data else fwd[None]
+        if c.clamp_len > 0:
+            seqs = seqs.clamp(-c.clamp_len, c.clamp_len)
+        sinusoid = seqs[..., None] * inv_freq
+        return torch.cat([torch.sin(sinusoid), torch.cos(sinusoid)], dim=-1)
+
+    def _cache_mem(self, h: Tensor, prev: Tensor | None) -> Tensor:
+        """New seq-first mem ``(mlen', B, d)`` from this layer's input ``h (B, L, d)``."""
+        c = self.config
+        cur = h.transpose(0, 1)
+        if c.reuse_len is not None and c.reuse_len > 0:
+            cur = cur[: c.reuse_len]
+        new = cur if prev is None else torch.cat([prev, cur], dim=0)
+        if c.mem_len is not None and c.mem_len > 0:
+            new = new[-c.mem_len:]
+        return new.detach().contiguous()
+
+    def _stream_inputs(self, B, L, mlen, device, padding, perm_mask, target_mapping, target_pos,
+                       token_type_ids, q_rank, k_rank, output_attentions) -> StreamInputs:
+        c = self.config
+        K = mlen + L
+        uni = c.attn_type == "uni"
+        content: dict[str, Any] = {"qlen": L}
+        if token_type_ids is not None:
+            content["q_seg"] = token_type_ids
+            content["k_seg"] = F.pad(token_type_ids, (mlen, 0))  # memory keys: segment 0
+
+        dense_h = dense_g = rank_q = rank_k = None
+        if perm_mask is not None or (uni and c.same_length):
+            if q_rank is not None:
+                raise ValueError("pass either perm_mask or q_rank/k_rank, not both")
+            i = torch.arange(L, device=device)[:, None]
+            j = torch.arange(K, device=device)[None, :]
+            blocked = torch.zeros(B, L, K, dtype=torch.bool, device=device)
+            if uni:
+                blocked |= j > mlen + i
+                if c.same_length:
+                    blocked |= (j < i) & (j < L)
+            if padding is not None:
+                blocked[:, :, mlen:] |= padding[:, None, :]
+            if perm_mask is not None:
+                blocked[:, :, mlen:] |= perm_mask > 0
+            dense_g = blocked
+            dense_h = blocked & (j != mlen + i)
+            content["attn_mask"] = dense_h
+        elif q_rank is not None or padding is not None or uni:
+            if q_rank is not None:
+                if uni:
+                    raise ValueError("q_rank/k_rank (permutation ranks) need attn_type='bi'")
+                rank_q, rank_k = q_rank.to(torch.int32), k_rank.to(torch.int32)
+            elif uni:
+                ar = torch.arange(L, dtype=torch.int32, device=device).expand(B, L)
+                rank_q, rank_k = ar + 1, ar
+            else:
+                rank_q = torch.ones(B, L, dtype=torch.int32, device=device)
+                rank_k = torch.zeros(B, L, dtype=torch.int32, device=device)
+            rank_k = with_memory(block_padding(rank_k, padding), mlen)
+            content.update(q_rank=rank_q, k_rank=rank_k, self_visible=True)
+
+        streams = StreamInputs(content=content)
+        if c.bi_data:
+            if B % 2:
+                raise ValueError(f"bi_data needs an even batch size, got {B}")
+            streams.k_r_index = torch.arange(B, device=device) >= B // 2
+            streams.k_r_index = streams.k_r_index.long()
+
+        if target_pos is None and target_mapping is not None and not output_attentions:
+            target_pos = _one_hot_targets(target_mapping)
+        if target_pos is None and target_mapping is None:
+            return streams
+
+        query: dict[str, Any] = {"qlen": L}
+        if target_pos is not None:  # query stream on the target rows only
+            tp = target_pos.long()
+            rows = tp.clamp(min=0)
+            query["q_pos"] = tp
+            if token_type_ids is not None:
+                query["q_seg"] = token_type_ids.gather(1, rows)
+                query["k_seg"] = content["k_seg"]
+            if dense_g is not None:
+                query["attn_mask"] = dense_g.gather(1, rows[..., None].expand(-1, -1, K))
+            elif rank_q is not None:
+                query.update(q_rank=rank_q.gather(1, rows), k_rank=rank_k, self_visible=False)
+        else:  # general target_mapping: all L rows, mapped in and out by the layer
+            streams.target_mapping = target_mapping
+            for key in ("q_seg", "k_seg"):
+                if key in content:
+                    query[key] = content[key]
+            if dense_g is not None:
+                query["attn_mask"] = dense_g
+            elif rank_q is not None:
+                query.update(q_rank=rank_q, k_rank=rank_k, self_visible=False)
+        streams.query = query
+        return streams
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        mems: list[Tensor] | None = None,
+        perm_mask: Tensor | None = None,
+        target_mapping: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        input_mask: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+        use_mems: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        q_rank: Tensor | None = None,
+        k_rank: Tensor | None = None,
+        target_pos: Tensor | None = None,
+        **kwargs: Any,
+    ) -> XLNetModelOutput | tuple:
+        """HF's ``XLNetModel.forward`` plus compact masks: ``q_rank``/``k_rank`` ``(B, L)`` int
+        permutation ranks (see ``xlnet_fast.masks.local_perm``) and ``target_pos (B, P)`` int positions
+        of the query-stream rows (negative = padding row), used instead of ``perm_mask`` /
+        ``target_mapping``."""
+        c = self.config
+        if kwargs.pop("use_cache", None) is not None:
+            logger.warning("use_cache is deprecated in XLNet; use use_mems")
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments: {sorted(kwargs)}")
+        output_attentions = c.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = c.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = c.return_dict if return_dict is None else return_dict
+        if use_mems is None:
+            use_mems = c.use_mems_train if self.training else c.use_mems_eval
+
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("You have to specify either input_ids or inputs_embeds")
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+            B, L = input_ids.shape
+            h = self.word_embedding(input_ids)
+        else:
+            B, L = inputs_embeds.shape[:2]
+            h = inputs_embeds
+        device = h.device
+        if (q_rank is None) != (k_rank is None):
+            raise ValueError("q_rank and k_rank must be given together")
+        if target_pos is not None and target_mapping is not None:
+            raise ValueError("pass either target_mapping or target_pos, not both")
+
+        mlen = mems[0].shape[0] if mems is not None and mems[0] is not None else 0
+        padding = _as_bool_padding(attention_mask, input_mask)
+        streams = self._stream_inputs(B, L, mlen, device, padding, perm_mask, target_mapping,
+                                      target_pos, token_type_ids, q_rank, k_rank, output_attentions)
+
+        h = self.dropout(h)
+        g = None
+        if streams.query is not None:
+            P = target_mapping.shape[1] if target_mapping is not None else target_pos.shape[1]
+            g = self.dropout(self.mask_emb.expand(B, P, -1))
+        pos_emb = self.dropout(self.relative_positional_encoding(L, mlen + L, device))
+
+        new_mems: tuple = ()
+        hidden_states: list = []
+        attentions: list = []
+        for i, layer in enumerate(self.layer):
+            layer_mems = mems[i] if mems is not None else None
+            if use_mems:
+                new_mems += (self._cache_mem(h, layer_mems),)
+            if output_hidden_states:
+                hidden_states += [h, g] if g is not None else [h]
+            h, g, probs = layer(h, g, pos_emb,
+                                layer_mems.transpose(0, 1) if layer_mems is not None else None,
+                                streams, output_attentions)
+            if output_attentions:
+                attentions.append(probs)
+        if output_hidden_states:
+            hidden_states += [h, g] if g is not None else [h]
+
+        output = self.dropout(g if g is not None else h)
+        out = XLNetModelOutput(
+            last_hidden_state=output,
+            mems=list(new_mems) if use_mems else None,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+        return out if return_dict else out.to_tuple()
+
+
+# --------------------------------------------------------------------------------------------------
+# Heads
+# --------------------------------------------------------------------------------------------------
+
+_BACKBONE_ARGS = ("attention_mask", "mems", "perm_mask", "target_mapping", "token_type_ids",
+                  "input_mask", "inputs_embeds", "use_mems", "output_attentions",
+                  "output_hidden_states", "q_rank", "k_rank", "target_pos")
+
+
+def _wrap(output_cls, return_dict: bool, backbone_out: XLNetModelOutput, **head):
+    out = output_cls(**head, mems=backbone_out.mems, hidden_states=backbone_out.hidden_states,
+                     attentions=backbone_out.attentions)
+    return out if return_dict else out.to_tuple()
+
+
+class XLNetLMHeadModel(XLNetPreTrainedModel):
+    _tied_weights_keys = {"lm_loss.weight": "transformer.word_embedding.weight"}
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.transformer = XLNetModel(config)
+        self.lm_loss = nn.Linear(config.d_model, config.vocab_size, bias=True)
+        self.post_init()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_loss.weight = self.transformer.word_embedding.weight
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_loss
+
+    def forward(self, input_ids: Tensor | None = None, labels: Tensor | None = None,
+                return_dict: bool | None = None, **kwargs: Any):
+        """HF's forward; ``logits`` are ``(B, P, vocab)`` over the query stream when it runs."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.transformer(input_ids, return_dict=True, **kwargs)
+        logits = self.lm_loss(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        return _wrap(XLNetLMHeadModelOutput, return_dict, out, loss=loss, logits=logits)
+
+
+class XLNetSequenceSummary(nn.Module):
+    """HF's sequence summary: pick a token (last/first/mean/cls_index), project, activate."""
+
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.summary_type = config.summary_type
+        if self.summary_type == "attn":
+            raise NotImplementedError("summary_type='attn' is not implemented (nor in transformers)")
+        self.summary = nn.Identity()
+        if config.summary_use_proj:
+            proj_to_labels = getattr(config, "summary_proj_to_labels", False)
+            n = config.num_labels if proj_to_labels and config.num_labels > 0 else config.d_model
+            self.summary = nn.Linear(config.d_model, n)
+        act = config.summary_activation
+        self.activation = _activation(act) if act else nn.Identity()
+        first = getattr(config, "summary_first_dropout", 0.0) or 0.0
+        self.first_dropout = nn.Dropout(first) if first > 0 else nn.Identity()
+        last = config.summary_last_dropout or 0.0
+        self.last_dropout = nn.Dropout(last) if last > 0 else nn.Identity()
+
+    def forward(self, hidden: Tensor, cls_index: Tensor | None = None) -> Tensor:
+        if self.summary_type == "last":
+            out = hidden[:, -1]
+        elif self.summary_type == "first":
+            out = hidden[:, 0]
+        elif self.summary_type == "mean":
+            out = hidden.mean(dim=1)
+        elif self.summary_type == "cls_index":
+            if cls_index is None:
+                idx = torch.full((hidden.shape[0],), hidden.shape[1] - 1, device=hidden.device)
+            else:
+                idx = cls_index
+            out = hidden[torch.arange(hidden.shape[0], device=hidden.device), idx.long()]
+        else:
+            raise ValueError(f"unknown summary_type {self.summary_type!r}")
+        return self.last_dropout(self.activation(self.summary(self.first_dropout(out))))
+
+
+def _classification_loss(config: XLNetConfig, logits: Tensor, labels: Tensor) -> Tensor:
+    n = config.num_labels
+    if config.problem_type is None:
+        if n == 1:
+            config.problem_type = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            config.problem_type = "single_label_classification"
+        else:
+            config.problem_type = "multi_label_classification"
+    if config.problem_type == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze()) if n == 1 else F.mse_loss(logits, labels)
+    if config.problem_type == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+class XLNetForSequenceClassification(XLNetPreTrainedModel):
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = XLNetModel(config)
+        self.sequence_summary = XLNetSequenceSummary(config)
+        self.logits_proj = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict=None, **kwargs):
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.transformer(input_ids, return_dict=True, **kwargs)
+        logits = self.logits_proj(self.sequence_summary(out.last_hidden_state))
+        loss = _classification_loss(self.config, logits, labels) if labels is not None else None
+        return _wrap(XLNetForSequenceClassificationOutput, return_dict, out, loss=loss, logits=logits)
+
+
+class XLNetForTokenClassification(XLNetPreTrainedModel):
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = XLNetModel(config)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict=None, **kwargs):
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.transformer(input_ids, return_dict=True, **kwargs)
+        logits = self.classifier(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+        return _wrap(XLNetForTokenClassificationOutput, return_dict, out, loss=loss, logits=logits)
+
+
+class XLNetForMultipleChoice(XLNetPreTrainedModel):
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.transformer = XLNetModel(config)
+        self.sequence_summary = XLNetSequenceSummary(config)
+        self.logits_proj = nn.Linear(config.d_model, 1)
+        self.post_init()
+
+    def forward(self, input_ids=None, token_type_ids=None, input_mask=None, attention_mask=None,
+                inputs_embeds=None, labels=None, return_dict=None, **kwargs):
+        """Inputs are ``(B, num_choices, L)``; logits ``(B, num_choices)``."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        ref = input_ids if input_ids is not None else inputs_embeds
+        num_choices = ref.shape[1]
+
+        def flat(t, keep):
+            return None if t is None else t.reshape((-1,) + tuple(t.shape[-keep:]))
+
+        out = self.transformer(flat(input_ids, 1), token_type_ids=flat(token_type_ids, 1),
+                               input_mask=flat(input_mask, 1), attention_mask=flat(attention_mask, 1),
+                               inputs_embeds=flat(inputs_embeds, 2), return_dict=True, **kwargs)
+        logits = self.logits_proj(self.sequence_summary(out.last_hidden_state)).view(-1, num_choices)
+        loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
+        return _wrap(XLNetForMultipleChoiceOutput, return_dict, out, loss=loss, logits=logits)
+
+
+class XLNetForQuestionAnsweringSimple(XLNetPreTrainedModel):
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.transformer = XLNetModel(config)
+        self.qa_outputs = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, start_positions=None, end_positions=None, return_dict=None,
+                **kwargs):
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.transformer(input_ids, return_dict=True, **kwargs)
+        start_logits, end_logits = self.qa_outputs(out.last_hidden_state).split(1, dim=-1)
+        start_logits = start_logits.squeeze(-1).contiguous()
+        end_logits = end_logits.squeeze(-1).contiguous()
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.shape[1]
+            sp = start_positions.reshape(-1).clamp(0, ignored)
+            ep = end_positions.reshape(-1).clamp(0, ignored)
+            loss = (F.cross_entropy(start_logits, sp, ignore_index=ignored)
+                    + F.cross_entropy(end_logits, ep, ignore_index=ignored)) / 2
+        return _wrap(XLNetForQuestionAnsweringSimpleOutput, return_dict, out, loss=loss,
+                     start_logits=start_logits, end_logits=end_logits)
+
+
+def _mask_logits(x: Tensor, p_mask: Tensor | None) -> Tensor:
+    if p_mask is None:
+        return x
+    big = 65500 if p_mask.dtype == torch.float16 else 1e30
+    return x * (1 - p_mask) - big * p_mask
+
+
+class XLNetPoolerStartLogits(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, 1)
+
+    def forward(self, hidden: Tensor, p_mask: Tensor | None = None) -> Tensor:
+        return _mask_logits(self.dense(hidden).squeeze(-1), p_mask)
+
+
+def _gather_start(hidden: Tensor, start_positions: Tensor) -> Tensor:
+    """(B, L, d), (B,) -> (B, 1, d)."""
+    idx = start_positions[:, None, None].expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(-2, idx)
+
+
+class XLNetPoolerEndLogits(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.dense_0 = nn.Linear(config.d_model * 2, config.d_model)
+        self.activation = nn.Tanh()
+        self.LayerNorm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.dense_1 = nn.Linear(config.d_model, 1)
+
+    def forward(self, hidden, start_states=None, start_positions=None, p_mask=None) -> Tensor:
+        if start_positions is not None:
+            start_states = _gather_start(hidden, start_positions).expand(-1, hidden.shape[-2], -1)
+        elif start_states is None:
+            raise ValueError("pass start_states or start_positions")
+        x = self.dense_1(self.LayerNorm(self.activation(self.dense_0(torch.cat([hidden, start_states], -1)))))
+        return _mask_logits(x.squeeze(-1), p_mask)
+
+
+class XLNetPoolerAnswerClass(nn.Module):
+    def __init__(self, config: XLNetConfig):
+        super().__init__()
+        self.dense_0 = nn.Linear(config.d_model * 2, config.d_model)
+        self.activation = nn.Tanh()
+        self.dense_1 = nn.Linear(config.d_model, 1, bias=False)
+
+    def forward(self, hidden, start_states=None, start_positions=None, cls_index=None) -> Tensor:
+        if start_positions is not None:
+            start_states = _gather_start(hidden, start_positions).squeeze(-2)
+        elif start_states is None:
+            raise ValueError("pass start_states or start_positions")
+        if cls_index is not None:
+            cls_state = _gather_start(hidden, cls_index).squeeze(-2)
+        else:
+            cls_state = hidden[:, -1, :]
+        x = self.activation(self.dense_0(torch.cat([start_states, cls_state], dim=-1)))
+        return self.dense_1(x).squeeze(-1)
+
+
+class XLNetForQuestionAnswering(XLNetPreTrainedModel):
+    def __init__(self, config: XLNetConfig):
+        super().__init__(config)
+        self.start_n_top = config.start_n_top
+        self.end_n_top = config.end_n_top
+        self.transformer = XLNetModel(config)
+        self.start_logits = XLNetPoolerStartLogits(config)
+        self.end_logits = XLNetPoolerEndLogits(config)
+        self.answer_class = XLNetPoolerAnswerClass(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, start_positions=None, end_positions=None, is_impossible=None,
+                cls_index=None, p_mask=None, return_dict=None, **kwargs):
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        out = self.transformer(input_ids, return_dict=True, **kwargs)
+        hidden = out.last_hidden_state
+        start_logits = self.start_logits(hidden, p_mask=p_mask)
+        if start_positions is not None and end_positions is not None:
+            squeeze = [None if x is None else (x.squeeze(-1) if x.dim() > 1 else x)
+                       for x in (start_positions, end_positions, cls_index, is_impossible)]
+            start_positions, end_positions, cls_index, is_impossible = squeeze
+            end_logits = self.end_logits(hidden, start_positions=start_positions, p_mask=p_mask)
+            loss = (F.cross_entropy(start_logits, start_positions)
+                    + F.cross_entropy(end_logits, end_positions)) / 2
+            if cls_index is not None and is_impossible is not None:
+                cls_logits = self.answer_class(hidden, start_positions=start_positions, cls_index=cls_index)
+                loss = loss + 0.5 * F.binary_cross_entropy_with_logits(cls_logits, is_impossible)
+            return _wrap(XLNetForQuestionAnsweringOutput, return_dict, out, loss=loss)
+
+        B, L, d = hidden.shape
+        start_probs = F.softmax(start_logits, dim=-1)
+        start_top_probs, start_top_index = torch.topk(start_probs, self.start_n_top, dim=-1)
+        start_states = hidden.gather(-2, start_top_index[..., None].expand(-1, -1, d))
+        start_states = start_states[:, None].expand(-1, L, -1, -1)
+        hidden_exp = hidden[:, :, None].expand_as(start_states)
+        pm = p_mask[..., None] if p_mask is not None else None
+        end_logits = self.end_logits(hidden_exp, start_states=start_states, p_mask=pm)
+        end_probs = F.softmax(end_logits, dim=1)
+        end_top_probs, end_top_index = torch.topk(end_probs, self.end_n_top, dim=1)
+        end_top_probs = end_top_probs.reshape(-1, self.start_n_top * self.end_n_top)
+        end_top_index = end_top_index.reshape(-1, self.start_n_top * self.end_n_top)
+        weighted_start = torch.einsum("blh,bl->bh", hidden, start_probs)
+        cls_logits = self.answer_class(hidden, start_states=weighted_start, cls_index=cls_index)
+        return _wrap(XLNetForQuestionAnsweringOutput, return_dict, out,
+                     start_top_log_probs=start_top_probs, start_top_index=start_top_index,
+                     end_top_log_probs=end_top_probs, end_top_index=end_top_index,
+                     cls_logits=cls_logits)
+
+
+MODEL_CLASSES = {
+    "XLNetModel": XLNetModel,
+    "XLNetLMHeadModel": XLNetLMHeadModel,
+    "XLNetForSequenceClassification": XLNetForSequenceClassification,
+    "XLNetForTokenClassification": XLNetForTokenClassification,
+    "XLNetForMultipleChoice": XLNetForMultipleChoice,
+    "XLNetForQuestionAnsweringSimple": XLNetForQuestionAnsweringSimple,
+    "XLNetForQuestionAnswering": XLNetForQuestionAnswering,
+}
