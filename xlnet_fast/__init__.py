@@ -11,7 +11,9 @@ from .modeling import (
     XLNetModel,
     XLNetPreTrainedModel,
 )
+from .masks import local_perm
 from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention
+from .tokenizer import XLNetTokenizer, train_tokenizer
 
 __version__ = "0.1.0"
 
@@ -29,5 +31,8 @@ __all__ = [
     "XLNetForMultipleChoice",
     "XLNetForQuestionAnsweringSimple",
     "XLNetForQuestionAnswering",
+    "XLNetTokenizer",
+    "train_tokenizer",
+    "local_perm",
     "__version__",
 ]

@@ -145,7 +145,7 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> tuple[Tensor, Tens
     if a.dropout_p > 0:
         p = p * _dropout_keep(p.shape, a, q.device) / (1.0 - a.dropout_p)
     out = torch.matmul(p, v.to(p.dtype).transpose(1, 2))
-    return out.transpose(1, 2).to(q.dtype), lse
+    return out.transpose(1, 2).to(q.dtype).contiguous(), lse
 
 
 def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
