@@ -93,7 +93,8 @@ def _visible(a: AttnArgs, B: int, M: int, K: int, R: int, device) -> Tensor | No
 
 
 def _scores(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs):
-    """Masked, scaled scores (B, H, M, K) in the accumulation dtype, plus what backward needs."""
+    """Masked, scaled scores (B, H, M, K) in the accumulation dtype, the visibility mask (or None),
+    and what backward needs. The scale is folded into the (small) query operands."""
     acc = _acc_dtype(q.dtype)
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
@@ -102,22 +103,22 @@ def _scores(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs):
     krf = k_r.to(acc).transpose(1, 2)
     q_w = qf + r_w_bias.to(acc)[:, None, :]
     q_r = qf + r_r_bias.to(acc)[:, None, :]
-    s = torch.matmul(q_w, kf.transpose(-1, -2))
-    raw = torch.matmul(q_r, krf.transpose(-1, -2))
+    s = torch.matmul(q_w * a.scale, kf.transpose(-1, -2))
+    raw = torch.matmul(q_r * a.scale, krf.transpose(-1, -2))
     bd, idx = _shift(raw, a, K)
     s = s.add_(bd)
-    seg_diff, q_s, e = None, None, None
+    del raw, bd
+    seg_diff, q_s = None, None
     if a.seg_embed is not None:
         q_s = qf + a.r_s_bias.to(acc)[:, None, :]
-        e = torch.matmul(q_s, a.seg_embed.to(acc).permute(1, 2, 0))  # (B, H, M, 2)
+        e = torch.matmul(q_s * a.scale, a.seg_embed.to(acc).permute(1, 2, 0))  # (B, H, M, 2)
         seg_diff = (a.q_seg[:, :, None] != a.k_seg[:, None, :])[:, None]
         s = s.add_(torch.where(seg_diff, e[..., 1:2], e[..., 0:1]))
-    s = s.mul_(a.scale)
     vis = _visible(a, B, M, K, R, q.device)
     if vis is not None:
         s = s.masked_fill_(~vis[:, None], float("-inf"))
     saved = dict(qf=qf, kf=kf, krf=krf, q_w=q_w, q_r=q_r, idx=idx, seg_diff=seg_diff, q_s=q_s)
-    return s, saved
+    return s, vis, saved
 
 
 def _dropout_keep(shape, a: AttnArgs, device) -> Tensor:
@@ -126,39 +127,39 @@ def _dropout_keep(shape, a: AttnArgs, device) -> Tensor:
     return torch.rand(shape, generator=gen, device=device) >= a.dropout_p
 
 
-def _probs(s: Tensor, lse: Tensor) -> Tensor:
-    # lse is +inf on rows with no visible key, so those rows get p = 0 (not NaN).
-    return torch.exp(s - lse[..., None])
-
-
-def _row_lse(s: Tensor) -> Tensor:
-    lse = torch.logsumexp(s, dim=-1)
-    return lse.masked_fill(torch.isneginf(lse), float("inf"))
-
-
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> tuple[Tensor, Tensor]:
     """Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` in the accumulation dtype
     (float32, or float64 for float64 inputs); +inf marks a row with no visible key."""
-    s, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
-    lse = _row_lse(s)
-    p = _probs(s, lse)
+    s, vis, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
+    row_max = s.amax(-1)
+    p = torch.softmax(s, dim=-1)
+    del s
+    # p_max = exp(row_max - lse), so lse = row_max - log(p_max): no second exp pass over the scores
+    lse = row_max - p.amax(-1).log()
     if a.dropout_p > 0:
         p = p * _dropout_keep(p.shape, a, q.device) / (1.0 - a.dropout_p)
     out = torch.matmul(p, v.to(p.dtype).transpose(1, 2))
+    if vis is not None:
+        # rows with no visible key: softmax gave NaN; they output 0 and their lse is +inf
+        has_key = vis.any(-1)[:, None]
+        out = torch.where(has_key[..., None], out, 0.0)
+        lse = torch.where(has_key, lse, float("inf"))
     return out.transpose(1, 2).to(q.dtype).contiguous(), lse
 
 
 def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
     """Attention probabilities (B, H, M, K) before dropout, for ``output_attentions``."""
-    s, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
-    return _probs(s, _row_lse(s))
+    s, vis, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
+    p = torch.softmax(s, dim=-1)
+    return p if vis is None else p.nan_to_num_(0.0)
 
 
 def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse):
     """Gradients for q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed (DESIGN.md §2)."""
-    s, sv = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
+    s, _, sv = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     acc = s.dtype
-    p = _probs(s, lse.to(acc))
+    # lse is +inf on rows with no visible key, so those rows get p = 0 (not NaN)
+    p = s.sub_(lse.to(acc)[..., None]).exp_()
     del s
     do = dout.to(acc).transpose(1, 2)
     vf = v.to(acc).transpose(1, 2)
