@@ -96,12 +96,12 @@ def _common(q, k, v, k_r, r_w_bias, r_r_bias, a):
         *_strides(a.q_seg, 2), *_strides(a.k_seg, 2), *_strides(mask, 3),
         *_strides(a.q_rank, 2), *_strides(a.k_rank, 2), *_strides(a.q_pos, 2),
     )
-    flags = dict(HAS_SEG=has_seg, MASK_MODE=mask_mode, SELF_VISIBLE=bool(a.self_visible),
+    flags = dict(HAS_SEG=has_seg, MASK_MODE=mask_mode, SELF_VISIBLE=a.self_rows > 0,
                  HAS_QPOS=a.q_pos is not None, CHECK_R=R < K + a.qlen, DROPOUT=a.dropout_p > 0,
                  BLOCK_D=_block_d(D), DOT_DTYPE=_dot_dtype(q.dtype),
                  INPUT_PRECISION=_input_precision(q.dtype))
     seed = int(a.seed.item()) if a.seed is not None else 0
-    sizes = (H, M, K, R, D, a.qlen, K - a.qlen, a.scale * _k.LOG2E, seed % (2**31 - 1), float(a.dropout_p))
+    sizes = (H, M, K, R, D, a.qlen, K - a.qlen, a.self_rows, a.scale * _k.LOG2E, seed % (2**31 - 1), float(a.dropout_p))
     return ptrs, strides, sizes, flags
 
 

@@ -7,7 +7,7 @@ Per (query tile, key tile) the score tile is built in registers and never writte
   k_r rows the tile needs (a window of ``BLOCK_N + span(p) - 1`` rows, taken in chunks of
   ``BLOCK_N``), ``raw = q_r @ k_r_chunk^T`` is skewed into the tile with ``tl.gather``;
 * segment term — two per-row scalars ``(q + r_s_bias) . seg_embed[0/1]`` picked by segment equality;
-* masks — compact ranks (``k_rank[j] < q_rank[i]`` or the query's own key with ``self_visible``), a
+* masks — compact ranks (``k_rank[j] < q_rank[i]``, or the query's own key for rows < ``self_rows``), a
   dense bool tile, padding rows (``q_pos < 0``), k_r rows past the end ("uni").
 
 Softmax is online in base 2 (``exp2``) with fp32 statistics; attention dropout uses Philox
@@ -67,7 +67,7 @@ def _window(p, row_ok, n0, qlen, R, BLOCK_N: tl.constexpr):
 def _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
             kr_base, stride_krr, kseg_base, stride_ksk, krank_base, stride_krk,
             mask_base, stride_mm, stride_mk, rows, offs_d, d_ok,
-            K, R, qlen, mlen, qk_scale,
+            K, R, qlen, mlen, self_rows, qk_scale,
             HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
             CHECK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
             INPUT_PRECISION: tl.constexpr):
@@ -100,7 +100,7 @@ def _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
         k_rank = tl.load(krank_base + cols * stride_krk, mask=col_ok, other=0)
         seen = k_rank[None, :] < q_rank[:, None]
         if SELF_VISIBLE:
-            seen = seen | (cols[None, :] == (mlen + p)[:, None])
+            seen = seen | ((cols[None, :] == (mlen + p)[:, None]) & (rows < self_rows)[:, None])
         visible = visible & seen
     if CHECK_R:
         visible = visible & (rel < R)
@@ -122,7 +122,7 @@ def _fwd_kernel(
     stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
     stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-    H, M, K, R, D, qlen, mlen, qk_scale, seed, dropout_p,
+    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
     HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
     HAS_QPOS: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -161,7 +161,7 @@ def _fwd_kernel(
         s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile.to(DOT_DTYPE), n0,
                     kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
                     krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, qk_scale,
+                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
                     HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
         # online softmax; rows that have seen no visible key yet keep m = -inf and p = 0
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -253,7 +253,7 @@ def _bwd_kv_kernel(
     stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
     stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
     stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, qk_scale, seed, dropout_p,
+    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
     do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
     dk_ptr, dv_ptr, stride_dkb, stride_dkn, stride_dkh, dkr_ptr, stride_dkrb, stride_dkrr, stride_dkrh,
     scale,
@@ -291,7 +291,7 @@ def _bwd_kv_kernel(
         s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
                     kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
                     krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, qk_scale,
+                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
                     HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
         prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K, dropout_p,
                                 scale, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
@@ -319,7 +319,7 @@ def _bwd_q_kernel(
     stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
     stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
     stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, qk_scale, seed, dropout_p,
+    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
     do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
     dq_ptr, stride_dqb, stride_dqm, stride_dqh, part_ptr, n_m_tiles,
     scale,
@@ -359,7 +359,7 @@ def _bwd_q_kernel(
         s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
                     kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
                     krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, qk_scale,
+                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
                     HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
         prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K, dropout_p,
                                 scale, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
@@ -401,7 +401,7 @@ def _bwd_kr_kernel(
     stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
     stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
     stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, qk_scale, seed, dropout_p,
+    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
     do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
     dkr_ptr, stride_dkrb, stride_dkrr, stride_dkrh, n_batch_per_kr,
     scale,
@@ -448,7 +448,7 @@ def _bwd_kr_kernel(
                 s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
                             kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
                             krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb,
-                            stride_mm, stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, qk_scale,
+                            stride_mm, stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
                             HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE,
                             INPUT_PRECISION)
                 prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K,

@@ -185,7 +185,7 @@ def test_torch_compile_traces_without_graph_breaks():
 def test_library_op_passes_opcheck():
     tensors, kw = make_case(mask="rank", dtype=torch.float32)
     args = tensors + [kw["r_s_bias"], kw["seg_embed"], kw["q_seg"], kw["k_seg"], None,
-                      kw["q_rank"], kw["k_rank"], None, kw["qlen"], True, 0.5, 0.0, None, "eager"]
+                      kw["q_rank"], kw["k_rank"], None, kw["qlen"], 3, 0.5, 0.0, None, "eager"]
     args[0] = args[0].requires_grad_()
     torch.library.opcheck(torch.ops.xlnet_fast.rel_attention.default, args)
 
@@ -264,3 +264,30 @@ def test_forced_triton_backend_never_falls_back(monkeypatch):
 
 def test_auto_backend_is_eager_on_cpu():
     assert xlnet_fast.ops.resolve_backend("auto", torch.device("cpu")) == "eager"
+
+
+@pytest.mark.parametrize("mask", [None, "rank", "dense"])
+def test_two_stream_equals_two_calls(mask):
+    B, L, P, H, D, mlen = 2, 7, 3, 2, 4, 2
+    tensors, kw = make_case(B=B, M=L, H=H, D=D, mlen=mlen, mask=mask)
+    q_h = tensors[0]
+    q_g = torch.randn(B, P, H, D, dtype=F64)
+    target_pos = torch.tensor([[6, 0, 3], [2, -1, 5]])
+    rows = target_pos.clamp(min=0)
+    rest = tensors[1:]
+    common = {k: kw[k] for k in ("r_s_bias", "seg_embed", "k_seg")}
+    h_kw = dict(common, q_seg=kw["q_seg"])
+    g_kw = dict(common, q_seg=kw["q_seg"].gather(1, rows), q_pos=target_pos, qlen=L)
+    joint_kw = dict(common, q_seg=kw["q_seg"], target_pos=target_pos)
+    if mask == "rank":
+        h_kw.update(q_rank=kw["q_rank"], k_rank=kw["k_rank"])
+        g_kw.update(q_rank=kw["q_rank"].gather(1, rows), k_rank=kw["k_rank"], self_visible=False)
+        joint_kw.update(q_rank=kw["q_rank"], k_rank=kw["k_rank"])
+    if mask == "dense":
+        mask_g = torch.rand(B, P, L + mlen) < 0.3
+        h_kw.update(attn_mask=kw["attn_mask"])
+        g_kw.update(attn_mask=mask_g)
+        joint_kw.update(attn_mask=kw["attn_mask"], attn_mask_g=mask_g)
+    out_h, out_g = xlnet_fast.rel_attention_two_stream(q_h, q_g, *rest, **joint_kw, backend="eager")
+    torch.testing.assert_close(out_h, rel_attention(q_h, *rest, **h_kw, backend="eager"))
+    torch.testing.assert_close(out_g, rel_attention(q_g, *rest, **g_kw, backend="eager"))

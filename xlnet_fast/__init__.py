@@ -12,13 +12,14 @@ from .modeling import (
     XLNetPreTrainedModel,
 )
 from .masks import local_perm
-from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention
+from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention, rel_attention_two_stream
 from .tokenizer import XLNetTokenizer, train_tokenizer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "rel_attention",
+    "rel_attention_two_stream",
     "attention_probabilities",
     "INT32_MIN",
     "INT32_MAX",

@@ -29,7 +29,7 @@ class AttnArgs:
     k_rank: Tensor | None
     q_pos: Tensor | None
     qlen: int
-    self_visible: bool
+    self_rows: int  # query rows [0, self_rows) also see their own key (rank masks)
     scale: float
     dropout_p: float
     seed: Tensor | None
@@ -76,10 +76,13 @@ def _visible(a: AttnArgs, B: int, M: int, K: int, R: int, device) -> Tensor | No
         vis = ~a.attn_mask
     elif a.q_rank is not None:
         vis = a.k_rank[:, None, :] < a.q_rank[:, :, None]
-        if a.self_visible:
+        if a.self_rows > 0:
             j = torch.arange(K, device=device)
             p = torch.arange(M, device=device)[None] if a.q_pos is None else a.q_pos
-            vis = vis | (j[None, None, :] == (mlen + p)[:, :, None])
+            own = j[None, None, :] == (mlen + p)[:, :, None]
+            if a.self_rows < M:
+                own = own & (torch.arange(M, device=device) < a.self_rows)[None, :, None]
+            vis = vis | own
     if R < K + a.qlen:
         # "uni": scores whose k_r row qlen + j - p_i is past the end are masked
         in_range = _rel_index(a.q_pos, M, K, a.qlen, device) < R

@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from .config import XLNetConfig
 from .masks import block_padding, with_memory
-from .ops import attention_probabilities, rel_attention
+from .ops import attention_probabilities, rel_attention, rel_attention_two_stream
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +115,17 @@ class XLNetForQuestionAnsweringOutput(ModelOutput):
 
 @dataclass
 class StreamInputs:
-    """What each layer passes to ``rel_attention`` besides q/k/v/k_r and the biases.
+    """What each layer passes to the attention op besides q/k/v/k_r and the biases.
 
-    ``content``/``query`` hold the op's keyword arguments for the two streams. ``target_mapping``
-    is set only for the general query-stream path (queries mapped onto all L positions, as HF does).
-    ``k_r_index`` expands the two bi_data position embeddings to the batch.
+    ``content``/``query`` hold ``rel_attention``'s keyword arguments for the two streams; ``joint``
+    holds ``rel_attention_two_stream``'s when the query stream runs on target rows only (both streams
+    in one launch). ``target_mapping`` is set only for the general query-stream path (queries mapped
+    onto all L positions, as HF does). ``k_r_index`` expands the two bi_data position embeddings.
     """
 
     content: dict[str, Any]
     query: dict[str, Any] | None = None
+    joint: dict[str, Any] | None = None
     target_mapping: Tensor | None = None
     k_r_index: Tensor | None = None
 
@@ -159,15 +161,19 @@ class XLNetRelativeAttention(nn.Module):
         out = torch.matmul(attn_vec.flatten(-2), self.o.flatten(1).t())
         return self.layer_norm(self.dropout(out) + h)
 
-    def _attend(self, q, k, v, k_r, kwargs: dict, output_attentions: bool):
+    def _op_kwargs(self, kwargs: dict) -> dict:
+        extra = dict(dropout_p=self.config.dropout if self.training else 0.0,
+                     backend=self.config.attn_backend)
         if "q_seg" in kwargs:
-            kwargs = {**kwargs, "r_s_bias": self.r_s_bias, "seg_embed": self.seg_embed}
-        out = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs,
-                            dropout_p=self.config.dropout if self.training else 0.0,
-                            backend=self.config.attn_backend)
+            extra.update(r_s_bias=self.r_s_bias, seg_embed=self.seg_embed)
+        return {**kwargs, **extra}
+
+    def _attend(self, q, k, v, k_r, kwargs: dict, output_attentions: bool):
+        out = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **self._op_kwargs(kwargs))
         probs = None
         if output_attentions:
-            probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
+            probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias,
+                                            **self._op_kwargs(kwargs))
         return out, probs
 
     def forward(self, h: Tensor, g: Tensor | None, pos_emb: Tensor, mems: Tensor | None,
@@ -179,6 +185,12 @@ class XLNetRelativeAttention(nn.Module):
         k_r = self._project(pos_emb.to(self.r.dtype), self.r)
         if streams.k_r_index is not None:
             k_r = k_r[streams.k_r_index]
+        if streams.joint is not None:  # both streams, target rows only, one launch
+            attn_h, attn_g = rel_attention_two_stream(
+                self._project(h, self.q), self._project(g, self.q), k, v, k_r, self.r_w_bias,
+                self.r_r_bias, **self._op_kwargs(streams.joint))
+            return self.post_attention(h, attn_h), self.post_attention(g, attn_g), None
+
         attn_h, prob_h = self._attend(self._project(h, self.q), k, v, k_r, streams.content,
                                       output_attentions)
         out_h = self.post_attention(h, attn_h)
@@ -476,26 +488,28 @@ class XLNetModel(XLNetPreTrainedModel):
             return streams
 
         query: dict[str, Any] = {"qlen": L}
-        if target_pos is not None:  # query stream on the target rows only
-            tp = target_pos.long()
-            rows = tp.clamp(min=0)
-            query["q_pos"] = tp
-            if token_type_ids is not None:
-                query["q_seg"] = token_type_ids.gather(1, rows)
-                query["k_seg"] = content["k_seg"]
-            if dense_g is not None:
-                query["attn_mask"] = dense_g.gather(1, rows[..., None].expand(-1, -1, K))
-            elif rank_q is not None:
-                query.update(q_rank=rank_q.gather(1, rows), k_rank=rank_k, self_visible=False)
-        else:  # general target_mapping: all L rows, mapped in and out by the layer
-            streams.target_mapping = target_mapping
+        if target_pos is not None:  # query stream on the target rows only, in the content's launch
+            joint: dict[str, Any] = {"target_pos": target_pos}
             for key in ("q_seg", "k_seg"):
                 if key in content:
-                    query[key] = content[key]
+                    joint[key] = content[key]
             if dense_g is not None:
-                query["attn_mask"] = dense_g
+                rows = target_pos.long().clamp(min=0)
+                joint.update(attn_mask=dense_h,
+                             attn_mask_g=dense_g.gather(1, rows[..., None].expand(-1, -1, K)))
             elif rank_q is not None:
-                query.update(q_rank=rank_q, k_rank=rank_k, self_visible=False)
+                joint.update(q_rank=rank_q, k_rank=rank_k)
+            streams.joint = joint
+            return streams
+        # general target_mapping: all L rows, mapped in and out by the layer
+        streams.target_mapping = target_mapping
+        for key in ("q_seg", "k_seg"):
+            if key in content:
+                query[key] = content[key]
+        if dense_g is not None:
+            query["attn_mask"] = dense_g
+        elif rank_q is not None:
+            query.update(q_rank=rank_q, k_rank=rank_k, self_visible=False)
         streams.query = query
         return streams
 
@@ -558,7 +572,7 @@ class XLNetModel(XLNetPreTrainedModel):
 
         h = self.dropout(h)
         g = None
-        if streams.query is not None:
+        if streams.query is not None or streams.joint is not None:
             P = target_mapping.shape[1] if target_mapping is not None else target_pos.shape[1]
             g = self.dropout(self.mask_emb.expand(B, P, -1))
         pos_emb = self.dropout(self.relative_positional_encoding(L, mlen + L, device))

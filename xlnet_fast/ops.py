@@ -73,10 +73,10 @@ def explain_auto_backend(device: torch.device) -> str:
 # --------------------------------------------------------------------------------------------------
 
 
-def _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen, self_visible,
+def _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen, self_rows,
           scale, dropout_p, seed) -> AttnArgs:
     return AttnArgs(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-                    self_visible, scale, dropout_p, seed)
+                    self_rows, scale, dropout_p, seed)
 
 
 def _impl(backend: str):
@@ -92,17 +92,17 @@ def _rel_attention_op(
     q: Tensor, k: Tensor, v: Tensor, k_r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     r_s_bias: Optional[Tensor], seg_embed: Optional[Tensor], q_seg: Optional[Tensor],
     k_seg: Optional[Tensor], attn_mask: Optional[Tensor], q_rank: Optional[Tensor],
-    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_visible: bool, scale: float,
+    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int, scale: float,
     dropout_p: float, seed: Optional[Tensor], backend: str,
 ) -> tuple[Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-              self_visible, scale, dropout_p, seed)
+              self_rows, scale, dropout_p, seed)
     return _impl(backend).forward(q, k, v, k_r, r_w_bias, r_r_bias, a)
 
 
 @_rel_attention_op.register_fake
 def _(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-      k_rank, q_pos, qlen, self_visible, scale, dropout_p, seed, backend):
+      k_rank, q_pos, qlen, self_rows, scale, dropout_p, seed, backend):
     B, M, H, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((B, M, H, D)), q.new_empty((B, H, M), dtype=lse_dtype)
@@ -113,18 +113,18 @@ def _rel_attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, k_r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     r_s_bias: Optional[Tensor], seg_embed: Optional[Tensor], q_seg: Optional[Tensor],
     k_seg: Optional[Tensor], attn_mask: Optional[Tensor], q_rank: Optional[Tensor],
-    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_visible: bool, scale: float,
+    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int, scale: float,
     dropout_p: float, seed: Optional[Tensor], backend: str, out: Tensor, lse: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-              self_visible, scale, dropout_p, seed)
+              self_rows, scale, dropout_p, seed)
     grads = _impl(backend).backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse)
     return tuple(g.contiguous() for g in grads)
 
 
 @_rel_attention_backward_op.register_fake
 def _(dout, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-      k_rank, q_pos, qlen, self_visible, scale, dropout_p, seed, backend, out, lse):
+      k_rank, q_pos, qlen, self_rows, scale, dropout_p, seed, backend, out, lse):
     seg_like = seg_embed if seg_embed is not None else r_w_bias.new_empty((2,) + tuple(r_w_bias.shape))
     bias_like = r_s_bias if r_s_bias is not None else r_w_bias
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -133,7 +133,7 @@ def _(dout, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg,
 
 _TENSOR_ARGS = ("q", "k", "v", "k_r", "r_w_bias", "r_r_bias", "r_s_bias", "seg_embed", "q_seg",
                 "k_seg", "attn_mask", "q_rank", "k_rank", "q_pos")
-_CONST_ARGS = ("qlen", "self_visible", "scale", "dropout_p", "seed", "backend")
+_CONST_ARGS = ("qlen", "self_rows", "scale", "dropout_p", "seed", "backend")
 
 
 def _setup_context(ctx, inputs, output):
@@ -148,7 +148,7 @@ def _backward(ctx, dout, _dlse):
     *tensors, seed, out, lse = ctx.saved_tensors
     c = ctx.consts
     grads = torch.ops.xlnet_fast.rel_attention_backward(
-        dout, *tensors, c["qlen"], c["self_visible"], c["scale"], c["dropout_p"], seed,
+        dout, *tensors, c["qlen"], c["self_rows"], c["scale"], c["dropout_p"], seed,
         c["backend"], out, lse)
     dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg = grads
     if not ctx.has_seg:
@@ -188,37 +188,9 @@ def _int_tensor(name, t, shape, device, dtypes=(torch.int32, torch.int64)):
     return t
 
 
-def rel_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    k_r: Tensor,
-    r_w_bias: Tensor,
-    r_r_bias: Tensor,
-    *,
-    r_s_bias: Tensor | None = None,
-    seg_embed: Tensor | None = None,
-    q_seg: Tensor | None = None,
-    k_seg: Tensor | None = None,
-    attn_mask: Tensor | None = None,
-    q_rank: Tensor | None = None,
-    k_rank: Tensor | None = None,
-    self_visible: bool = True,
-    q_pos: Tensor | None = None,
-    qlen: int | None = None,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-) -> Tensor:
-    """XLNet relative attention (DESIGN.md §2-3). Returns ``(B, M, H, D)`` in q's dtype.
-
-    Shapes: ``q (B, M, H, D)``; ``k, v (B, K, H, D)`` with ``K = mlen + qlen`` (memory first);
-    ``k_r (Br, R, H, D)``, ``Br in {1, B}``, ``R >= K + 1``; biases ``(H, D)``; ``seg_embed (2, H, D)``;
-    ``q_seg (B, M)``, ``k_seg (B, K)`` segment ids; ``attn_mask (B, M, K)`` bool, True = blocked;
-    ``q_rank (B, M)``, ``k_rank (B, K)`` int: key j visible to query i iff ``k_rank[j] < q_rank[i]`` or
-    (``self_visible`` and ``j == mlen + p_i``); ``q_pos (B, M)`` int positions of the query rows in the
-    current segment (negative = padding row, output 0), default ``arange(M)`` with ``qlen = M``.
-    """
+def _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask,
+              q_rank, k_rank, q_pos, qlen, scale, dropout_p) -> tuple[int, float]:
+    """Check every argument of ``rel_attention`` (before any launch); returns (qlen, scale)."""
     _check_tensor("q", q, 4)
     device = q.device
     B, M, H, D = q.shape
@@ -274,16 +246,18 @@ def rel_attention(
     if q_rank is not None:
         _int_tensor("q_rank", q_rank, (B, M), device, (torch.int32,))
         _int_tensor("k_rank", k_rank, (B, K), device, (torch.int32,))
-    if not isinstance(self_visible, bool):
-        raise TypeError(f"self_visible must be a bool, got {type(self_visible).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    return qlen, float(scale)
 
-    resolved = resolve_backend(backend, device)
+
+def _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
+          k_rank, q_pos, qlen, self_rows, scale, dropout_p, backend) -> Tensor:
+    resolved = resolve_backend(backend, q.device)
     if resolved == "triton":
         from . import kernels
 
@@ -291,8 +265,103 @@ def rel_attention(
     seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
     out, _ = torch.ops.xlnet_fast.rel_attention(
         q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-        k_rank, q_pos, int(qlen), bool(self_visible), float(scale), float(dropout_p), seed, resolved)
+        k_rank, q_pos, int(qlen), int(self_rows), float(scale), float(dropout_p), seed, resolved)
     return out
+
+
+def rel_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_r: Tensor,
+    r_w_bias: Tensor,
+    r_r_bias: Tensor,
+    *,
+    r_s_bias: Tensor | None = None,
+    seg_embed: Tensor | None = None,
+    q_seg: Tensor | None = None,
+    k_seg: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    q_rank: Tensor | None = None,
+    k_rank: Tensor | None = None,
+    self_visible: bool = True,
+    q_pos: Tensor | None = None,
+    qlen: int | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """XLNet relative attention (DESIGN.md §2-3). Returns ``(B, M, H, D)`` in q's dtype.
+
+    Shapes: ``q (B, M, H, D)``; ``k, v (B, K, H, D)`` with ``K = mlen + qlen`` (memory first);
+    ``k_r (Br, R, H, D)``, ``Br in {1, B}``, ``R >= K + 1``; biases ``(H, D)``; ``seg_embed (2, H, D)``;
+    ``q_seg (B, M)``, ``k_seg (B, K)`` segment ids; ``attn_mask (B, M, K)`` bool, True = blocked;
+    ``q_rank (B, M)``, ``k_rank (B, K)`` int32: key j visible to query i iff ``k_rank[j] < q_rank[i]``
+    or (``self_visible`` and ``j == mlen + p_i``); ``q_pos (B, M)`` int positions of the query rows in
+    the current segment (negative = padding row, output 0), default ``arange(M)`` with ``qlen = M``.
+    """
+    qlen, scale = _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg,
+                            attn_mask, q_rank, k_rank, q_pos, qlen, scale, dropout_p)
+    if not isinstance(self_visible, bool):
+        raise TypeError(f"self_visible must be a bool, got {type(self_visible).__name__}")
+    return _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask,
+                 q_rank, k_rank, q_pos, qlen, q.shape[1] if self_visible else 0, scale, dropout_p,
+                 backend)
+
+
+def rel_attention_two_stream(
+    q_h: Tensor,
+    q_g: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_r: Tensor,
+    r_w_bias: Tensor,
+    r_r_bias: Tensor,
+    *,
+    target_pos: Tensor,
+    r_s_bias: Tensor | None = None,
+    seg_embed: Tensor | None = None,
+    q_seg: Tensor | None = None,
+    k_seg: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    attn_mask_g: Tensor | None = None,
+    q_rank: Tensor | None = None,
+    k_rank: Tensor | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Both XLNet streams in one launch; they share k, v and k_r.
+
+    ``q_h (B, L, H, D)``: the content stream, one row per position, which also sees its own key.
+    ``q_g (B, P, H, D)``: the query stream's target rows at ``target_pos (B, P)`` (negative =
+    padding row), which do not see their own key. Segments: ``q_seg (B, L)`` (targets take theirs
+    from it). Masks: ranks ``q_rank (B, L)``/``k_rank (B, K)`` for both streams, or dense
+    ``attn_mask (B, L, K)`` for the content stream with ``attn_mask_g (B, P, K)`` for the targets.
+    Returns ``(out_h (B, L, H, D), out_g (B, P, H, D))``; equal to two ``rel_attention`` calls.
+    """
+    _check_tensor("q_h", q_h, 4)
+    B, L = q_h.shape[:2]
+    _check_tensor("q_g", q_g, 4, (B, None) + tuple(q_h.shape[2:]), (q_h.dtype,), q_h.device)
+    _int_tensor("target_pos", target_pos, (B, q_g.shape[1]), q_h.device)
+    if (attn_mask is None) != (attn_mask_g is None):
+        raise ValueError("attn_mask and attn_mask_g must be given together")
+    rows = target_pos.long().clamp(min=0)
+    q = torch.cat([q_h, q_g], dim=1)
+    q_pos = torch.cat([torch.arange(L, device=q.device).expand(B, L), target_pos.long()], dim=1)
+    if q_seg is not None:
+        _int_tensor("q_seg", q_seg, (B, L), q.device)
+        q_seg = torch.cat([q_seg, q_seg.gather(1, rows)], dim=1)
+    if q_rank is not None:
+        _int_tensor("q_rank", q_rank, (B, L), q.device, (torch.int32,))
+        q_rank = torch.cat([q_rank, q_rank.gather(1, rows)], dim=1)
+    if attn_mask is not None:
+        attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
+    qlen, scale = _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg,
+                            attn_mask, q_rank, k_rank, q_pos, L, scale, dropout_p)
+    out = _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask,
+                q_rank, k_rank, q_pos, qlen, L, scale, dropout_p, backend)
+    return out[:, :L], out[:, L:]
 
 
 def attention_probabilities(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs) -> Tensor:
@@ -306,6 +375,7 @@ def attention_probabilities(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs) -> Tenso
     scale = kwargs.pop("scale", None) or 1.0 / math.sqrt(D)
     a = AttnArgs(kwargs.get("r_s_bias"), kwargs.get("seg_embed"), kwargs.get("q_seg"),
                  kwargs.get("k_seg"), kwargs.get("attn_mask"), kwargs.get("q_rank"),
-                 kwargs.get("k_rank"), kwargs.get("q_pos"), qlen, kwargs.get("self_visible", True),
+                 kwargs.get("k_rank"), kwargs.get("q_pos"), qlen,
+                 M if kwargs.get("self_visible", True) else 0,
                  scale, 0.0, None)
     return eager.probabilities(q, k, k_r, r_w_bias, r_r_bias, a)
