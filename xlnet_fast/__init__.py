@@ -11,6 +11,7 @@ from .modeling import (
     XLNetModel,
     XLNetPreTrainedModel,
 )
+from .hf_patch import from_hf, patch_transformers, to_hf, unpatch_transformers
 from .masks import local_perm
 from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention, rel_attention_two_stream
 from .tokenizer import XLNetTokenizer, train_tokenizer
@@ -35,5 +36,9 @@ __all__ = [
     "XLNetTokenizer",
     "train_tokenizer",
     "local_perm",
+    "patch_transformers",
+    "unpatch_transformers",
+    "from_hf",
+    "to_hf",
     "__version__",
 ]
