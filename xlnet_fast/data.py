@@ -1,0 +1,283 @@
+"""Permutation-LM data: text -> token shard on disk -> XLNet pretraining batches (DESIGN.md §5).
+
+Each batch row is a contiguous token stream, read ``reuse_len`` tokens further every step, so the
+mems a row carries to the next step cover the text that precedes it. A record is
+``[reuse | A | <sep> | B | <sep> | <cls>]`` (segments 0, 0, 0, 1, 1, 2); B is A's continuation or,
+with probability 1/2, text from elsewhere. Spans of whole words are masked (``num_predict`` in all,
+span length n in 1..5 with p ∝ 1/n, context ``n * alpha / beta`` around each); the factorization order
+is the original ``_local_perm`` over ``perm_size`` blocks, for the reuse half and the rest separately,
+and the reuse half cannot see the rest. Batches carry compact masks — ranks and target positions —
+never L×L masks. With ``bi_data`` the second half of the rows reads the first half's streams reversed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .masks import local_perm
+from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, XLNetTokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Corpus -> token shard
+# --------------------------------------------------------------------------------------------------
+
+
+def iter_documents(paths: Iterable[str | os.PathLike]) -> Iterator[list[str]]:
+    """Documents as lists of text lines. ``.jsonl``: one record per line with a ``text`` field; a new
+    ``book`` (or ``doc``) value starts a new document. Other files: plain text, a blank line ends a
+    document."""
+    for path in paths:
+        path = os.fspath(path)
+        doc: list[str] = []
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".jsonl"):
+                current = None
+                for line in f:
+                    if not line.strip():
+                        continue
+                    rec = json.loads(line)
+                    key = rec.get("book", rec.get("doc"))
+                    if key != current and doc:
+                        yield doc
+                        doc = []
+                    current = key
+                    doc.append(str(rec["text"]))
+            else:
+                for line in f:
+                    if line.strip():
+                        doc.append(line.strip())
+                    elif doc:
+                        yield doc
+                        doc = []
+        if doc:
+            yield doc
+
+
+def iter_lines(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
+    for doc in iter_documents(paths):
+        yield from doc
+
+
+def corpus_fingerprint(paths: Iterable[str | os.PathLike], extra: str = "") -> str:
+    h = hashlib.sha256(extra.encode())
+    for p in sorted(os.fspath(x) for x in paths):
+        st = os.stat(p)
+        h.update(f"{os.path.abspath(p)}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str) -> np.memmap:
+    """Encode the corpus into an int32 token file (written streaming; ``<eod>`` ends each document).
+    Reuses an existing file built from the same inputs."""
+    meta_path = out_path + ".json"
+    fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(open(tokenizer.model_file, "rb").read()).hexdigest())
+    if os.path.exists(out_path) and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("fingerprint") == fingerprint:
+            return np.memmap(out_path, dtype=np.int32, mode="r")
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tmp = out_path + ".tmp"
+    n = 0
+    with open(tmp, "wb") as f:
+        for doc in iter_documents(paths):
+            ids: list[int] = []
+            for line in doc:
+                ids.extend(tokenizer.encode(line, add_special_tokens=False))
+            ids.append(EOD_ID)
+            np.asarray(ids, dtype=np.int32).tofile(f)
+            n += len(ids)
+    if n == 0:
+        os.remove(tmp)
+        raise ValueError(f"no text found in {paths}")
+    os.replace(tmp, out_path)
+    with open(meta_path, "w") as f:
+        json.dump({"fingerprint": fingerprint, "num_tokens": n, "sources": [os.fspath(p) for p in paths],
+                   "vocab_size": tokenizer.vocab_size}, f)
+    return np.memmap(out_path, dtype=np.int32, mode="r")
+
+
+# --------------------------------------------------------------------------------------------------
+# Masking and permutation (one record)
+# --------------------------------------------------------------------------------------------------
+
+
+def sample_span_mask(rng: np.random.Generator, is_start: np.ndarray, seg: np.ndarray, goal: int,
+                     alpha: float = 6.0, beta: float = 1.0, max_gram: int = 5) -> np.ndarray:
+    """The original ``_sample_mask`` with whole-word n-grams: True at masked positions of ``seg``.
+
+    ``is_start[token]`` says whether a piece starts a word. Spans: n ~ p ∝ 1/n, then a context of
+    ``n * alpha // beta`` tokens split randomly left/right of the span; tops up with single tokens
+    until ``goal`` positions are masked.
+    """
+    L = len(seg)
+    mask = np.zeros(L, dtype=bool)
+    if goal <= 0 or L == 0:
+        return mask
+    ngrams = np.arange(1, max_gram + 1)
+    pvals = 1.0 / ngrams
+    pvals /= pvals.sum()
+    n_pred, cur = 0, 0
+    while cur < L and n_pred < goal:
+        n = min(int(rng.choice(ngrams, p=pvals)), goal - n_pred)
+        ctx = int(n * alpha // beta)
+        l_ctx = int(rng.integers(ctx)) if ctx > 0 else 0
+        r_ctx = ctx - l_ctx
+        beg = cur + l_ctx
+        while beg < L and not is_start[seg[beg]]:
+            beg += 1
+        if beg >= L:
+            break
+        end, words = beg + 1, 1  # end: start of the (n+1)-th word
+        while end < L:
+            if is_start[seg[end]]:
+                words += 1
+                if words > n:
+                    break
+            end += 1
+        if end >= L:
+            break
+        mask[beg:end] = True
+        n_pred += end - beg
+        cur = end + r_ctx
+    while n_pred < goal and not mask.all():
+        i = int(rng.integers(L))
+        if not mask[i]:
+            mask[i] = True
+            n_pred += 1
+    return mask
+
+
+def record_ranks(tokens: np.ndarray, is_masked: np.ndarray, reuse_len: int, perm_size: int,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_local_perm`` on the reuse half and on the rest, joined so that the rest sees every reuse
+    token and the reuse half sees none of the rest. Returns q_rank, k_rank (int32) and is_target."""
+    parts = []
+    offset = 0
+    for lo, hi in ((0, reuse_len), (reuse_len, len(tokens))):
+        if hi == lo:
+            continue
+        g = torch.Generator().manual_seed(int(rng.integers(2**62)))
+        q, k, t = local_perm(torch.from_numpy(tokens[lo:hi].astype(np.int64)),
+                             torch.from_numpy(is_masked[lo:hi]), perm_size, SEP_ID, CLS_ID, generator=g)
+        parts.append((q.numpy() + offset, k.numpy() + offset, t.numpy()))
+        # every rank of the rest exceeds every query rank of the reuse half (<= reuse_len)
+        offset = reuse_len + 2
+    q_rank, k_rank, is_target = (np.concatenate(x) for x in zip(*parts))
+    return q_rank.astype(np.int32), k_rank.astype(np.int32), is_target
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    seq_len: int = 512
+    reuse_len: int = 256
+    num_predict: int = 85
+    perm_size: int = 256
+    mask_alpha: float = 6.0
+    mask_beta: float = 1.0
+    bi_data: bool = False
+    seed: int = 0
+
+
+class PretrainBatches:
+    """Deterministic, resumable batches for one rank.
+
+    ``global_rows`` streams split the token file into contiguous parts (with ``bi_data``, the second
+    half of the rows are the first half's streams reversed); this rank reads rows
+    ``[rank * rows, (rank + 1) * rows)``. Every row has its own position and random generator, so the
+    batches of a rank do not depend on the number of ranks.
+    """
+
+    def __init__(self, tokens: np.ndarray, tokenizer: XLNetTokenizer, cfg: DataConfig, rows: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        c = cfg
+        if c.reuse_len >= c.seq_len - 3 or c.reuse_len < 0:
+            raise ValueError(f"reuse_len ({c.reuse_len}) must be in [0, seq_len - 3) = [0, {c.seq_len - 3})")
+        if c.reuse_len % c.perm_size or (c.seq_len - c.reuse_len) % c.perm_size:
+            raise ValueError(f"perm_size ({c.perm_size}) must divide reuse_len ({c.reuse_len}) and "
+                             f"seq_len - reuse_len ({c.seq_len - c.reuse_len})")
+        if not 0 < c.num_predict <= c.seq_len:
+            raise ValueError(f"num_predict must be in (0, seq_len], got {c.num_predict}")
+        self.cfg, self.tokens, self.rows = c, tokens, rows
+        self.global_rows = rows * world_size
+        if c.bi_data and self.global_rows % 2:
+            raise ValueError(f"bi_data needs an even global batch, got {self.global_rows}")
+        n_streams = self.global_rows // 2 if c.bi_data else self.global_rows
+        self.stream_len = len(tokens) // n_streams
+        if self.stream_len < c.seq_len * 2:
+            raise ValueError(f"corpus too small: {len(tokens)} tokens for {n_streams} streams of "
+                             f"at least {2 * c.seq_len}")
+        self.n_streams = n_streams
+        self.row_ids = list(range(rank * rows, (rank + 1) * rows))
+        vocab = tokenizer.vocab_size
+        self.is_start = np.array([tokenizer.sp.IdToPiece(i).startswith("\u2581") or i < 9
+                                  for i in range(vocab)], dtype=bool)
+        self.pos = {r: 0 for r in self.row_ids}
+        self.rngs = {r: np.random.default_rng([c.seed, r]) for r in self.row_ids}
+
+    def _stream(self, row: int, start: int, length: int) -> np.ndarray:
+        """``length`` tokens of row ``row``'s stream from ``start`` (wrapping around)."""
+        s = row % self.n_streams
+        reverse = self.cfg.bi_data and row >= self.n_streams
+        base = s * self.stream_len
+        idx = (start + np.arange(length)) % self.stream_len
+        if reverse:
+            idx = self.stream_len - 1 - idx
+        return np.asarray(self.tokens[base + idx], dtype=np.int64)
+
+    def _record(self, row: int) -> dict[str, np.ndarray]:
+        c, rng = self.cfg, self.rngs[row]
+        pos = self.pos[row]
+        rest = c.seq_len - c.reuse_len - 3
+        a_len = int(rng.integers(1, rest))
+        b_len = rest - a_len
+        reuse_a = self._stream(row, pos, c.reuse_len + a_len)
+        if rng.random() < 0.5:
+            b = self._stream(row, pos + c.reuse_len + a_len, b_len)
+        else:  # B from a random place of the corpus
+            start = int(rng.integers(len(self.tokens) - b_len))
+            b = np.asarray(self.tokens[start:start + b_len], dtype=np.int64)
+        tokens = np.concatenate([reuse_a, [SEP_ID], b, [SEP_ID, CLS_ID]])
+        seg = np.concatenate([np.full(c.reuse_len + a_len + 1, SEG_A), np.full(b_len + 1, SEG_B), [SEG_CLS]])
+        reuse_goal = int(round(c.num_predict * c.reuse_len / c.seq_len))
+        mask = np.concatenate([
+            sample_span_mask(rng, self.is_start, tokens[:c.reuse_len], reuse_goal, c.mask_alpha, c.mask_beta),
+            sample_span_mask(rng, self.is_start, tokens[c.reuse_len:], c.num_predict - reuse_goal,
+                             c.mask_alpha, c.mask_beta)])
+        q_rank, k_rank, is_target = record_ranks(tokens, mask, c.reuse_len, c.perm_size, rng)
+        target_pos = np.flatnonzero(is_target)[: c.num_predict]
+        pad = c.num_predict - len(target_pos)
+        self.pos[row] = pos + c.reuse_len
+        return dict(input_ids=tokens, token_type_ids=seg, q_rank=q_rank, k_rank=k_rank,
+                    target_pos=np.concatenate([target_pos, np.full(pad, -1)]),
+                    labels=np.concatenate([tokens[target_pos], np.full(pad, -100)]))
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """``input_ids``, ``token_type_ids`` (B, L); ``q_rank``, ``k_rank`` (B, L) int32;
+        ``target_pos`` (B, num_predict) (-1 = padding); ``labels`` (B, num_predict) (-100 = padding)."""
+        recs = [self._record(r) for r in self.row_ids]
+        out = {k: torch.from_numpy(np.stack([r[k] for r in recs])) for k in recs[0]}
+        for k in ("q_rank", "k_rank"):
+            out[k] = out[k].to(torch.int32)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"pos": dict(self.pos), "rng": {r: g.bit_generator.state for r, g in self.rngs.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for r in self.row_ids:
+            self.pos[r] = int(state["pos"][r])
+            self.rngs[r].bit_generator.state = state["rng"][r]
