@@ -181,15 +181,18 @@ def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, step + 3))
 
 
-def test_two_rank_ddp_equals_one_rank_with_double_batch(corpus, tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sharding):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--steps", "2", "--dropout", "0", "--seed", "3"]
     one = _cli(tmp_path / "one", corpus, *common)
     one[one.index("--batch-size") + 1] = "4"
     two = _cli(tmp_path / "two", corpus, *common)
     two[two.index("--batch-size") + 1] = "2"
-    two[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-                "-m", "xlnet_fast"]
+    two[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                "29517" if sharding == "ddp" else "29518", "-m", "xlnet_fast"]
+    if sharding == "fsdp":
+        two.append("--fsdp")
     for cmd in (one, two):
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr

