@@ -54,6 +54,28 @@ def _query_tile(q_base, stride_qm, rows, row_ok, offs_d, d_ok, bias_w_ptr, bias_
 
 
 @triton.jit
+def _query_side(q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
+                b, h, rows, offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm,
+                stride_qsb, stride_qsm, stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh,
+                HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr):
+    """A query tile's positions (padding rows: p < 0), biased queries, segment scores, segment ids
+    and ranks."""
+    row_in = rows < M
+    if HAS_QPOS:
+        p = _load_rows(qpos_ptr + b * stride_qpb, stride_qpm, rows, row_in, -1).to(tl.int32)
+    else:
+        p = rows
+    row_ok = row_in & (p >= 0)
+    q_w, q_r, q_s, e0, e1 = _query_tile(q_ptr + b * stride_qb + h * stride_qh, stride_qm, rows,
+                                        row_in, offs_d, d_ok, bias_w_ptr + h * stride_bh,
+                                        bias_r_ptr + h * stride_bh, bias_s_ptr + h * stride_bh,
+                                        seg_ptr + h * stride_segh, stride_seg, HAS_SEG)
+    q_seg = _load_rows(qseg_ptr + b * stride_qsb, stride_qsm, rows, row_in, 0) if HAS_SEG else rows
+    q_rank = _load_rows(qrank_ptr + b * stride_qrb, stride_qrm, rows, row_in, 0) if MASK_MODE == 2 else rows
+    return p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank
+
+
+@triton.jit
 def _window(p, row_ok, n0, qlen, R, BLOCK_N: tl.constexpr):
     """First and one-past-last k_r row that the (query tile, key tile at n0) pair reads."""
     p_hi = tl.max(tl.where(row_ok, p, -1), axis=0)
@@ -136,17 +158,10 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     row_in = rows < M
-    if HAS_QPOS:
-        p = _load_rows(qpos_ptr + b * stride_qpb, stride_qpm, rows, row_in, -1).to(tl.int32)
-    else:
-        p = rows
-    row_ok = row_in & (p >= 0)
-    q_w, q_r, q_s, e0, e1 = _query_tile(q_ptr + b * stride_qb + h * stride_qh, stride_qm, rows, row_in,
-                                   offs_d, d_ok, bias_w_ptr + h * stride_bh, bias_r_ptr + h * stride_bh,
-                                   bias_s_ptr + h * stride_bh, seg_ptr + h * stride_segh, stride_seg,
-                                   HAS_SEG)
-    q_seg = _load_rows(qseg_ptr + b * stride_qsb, stride_qsm, rows, row_in, 0) if HAS_SEG else rows
-    q_rank = _load_rows(qrank_ptr + b * stride_qrb, stride_qrm, rows, row_in, 0) if MASK_MODE == 2 else rows
+    p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank = _query_side(
+        q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr, b, h, rows,
+        offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm, stride_qsb, stride_qsm,
+        stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh, HAS_SEG, MASK_MODE, HAS_QPOS)
 
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
@@ -227,17 +242,10 @@ def _bwd_query_side(q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qseg_ptr, qrank
                     HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr):
     """Everything the backward needs on the query side of a tile."""
     row_in = rows < M
-    if HAS_QPOS:
-        p = _load_rows(qpos_ptr + b * stride_qpb, stride_qpm, rows, row_in, -1).to(tl.int32)
-    else:
-        p = rows
-    row_ok = row_in & (p >= 0)
-    q_w, q_r, q_s, e0, e1 = _query_tile(q_ptr + b * stride_qb + h * stride_qh, stride_qm, rows,
-                                        row_in, offs_d, d_ok, bias_w_ptr + h * stride_bh,
-                                        bias_r_ptr + h * stride_bh, bias_s_ptr + h * stride_bh,
-                                        seg_ptr + h * stride_segh, stride_seg, HAS_SEG)
-    q_seg = _load_rows(qseg_ptr + b * stride_qsb, stride_qsm, rows, row_in, 0) if HAS_SEG else rows
-    q_rank = _load_rows(qrank_ptr + b * stride_qrb, stride_qrm, rows, row_in, 0) if MASK_MODE == 2 else rows
+    p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank = _query_side(
+        q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr, b, h, rows,
+        offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm, stride_qsb, stride_qsm,
+        stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh, HAS_SEG, MASK_MODE, HAS_QPOS)
     do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
                  mask=row_in[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows, mask=row_in, other=float("inf"))
