@@ -513,6 +513,82 @@ class XLNetModel(XLNetPreTrainedModel):
         streams.query = query
         return streams
 
+    def _validate_inputs(self, input_ids, inputs_embeds, attention_mask, input_mask, mems, perm_mask,
+                         target_mapping, token_type_ids, q_rank, k_rank, target_pos) -> tuple[int, int]:
+        """Check shapes, ranges, dtypes and devices before any compute; returns (B, L)."""
+        c = self.config
+        if input_ids is not None and inputs_embeds is not None:
+            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
+        if input_ids is None and inputs_embeds is None:
+            raise ValueError("You have to specify either input_ids or inputs_embeds")
+        device = self.word_embedding.weight.device
+        if input_ids is not None:
+            if not isinstance(input_ids, Tensor) or input_ids.dtype not in (torch.long, torch.int):
+                raise TypeError(f"input_ids must be an integer tensor, got "
+                                f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+            if input_ids.numel() and not torch.compiler.is_compiling():
+                lo, hi = int(input_ids.min()), int(input_ids.max())
+                if lo < 0 or hi >= c.vocab_size:
+                    raise ValueError(f"input_ids must be in [0, vocab_size={c.vocab_size}), got values in "
+                                     f"[{lo}, {hi}]")
+            ref = input_ids
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != c.d_model:
+                raise ValueError(f"inputs_embeds must be (batch, seq_len, d_model={c.d_model}), got "
+                                 f"{tuple(inputs_embeds.shape)}")
+            if not inputs_embeds.is_floating_point():
+                raise TypeError(f"inputs_embeds must be floating point, got {inputs_embeds.dtype}")
+            ref = inputs_embeds
+        B, L = ref.shape[:2]
+        if L == 0:
+            raise ValueError("the sequence is empty (seq_len = 0)")
+        if attention_mask is not None and input_mask is not None:
+            raise ValueError("pass only one of attention_mask (0 = padding) and input_mask (1 = padding)")
+        mlen = None
+        if mems is not None:
+            if len(mems) != c.n_layer:
+                raise ValueError(f"mems must hold one tensor per layer ({c.n_layer}), got {len(mems)}")
+            for i, m in enumerate(mems):
+                if m is None:
+                    continue
+                if m.dim() != 3 or m.shape[1] != B or m.shape[2] != c.d_model:
+                    raise ValueError(f"mems[{i}] must be (mlen, batch={B}, d_model={c.d_model}), got "
+                                     f"{tuple(m.shape)}")
+                if mlen is not None and m.shape[0] != mlen:
+                    raise ValueError(f"mems[{i}] has mlen {m.shape[0]}, mems[0] has {mlen}")
+                mlen = m.shape[0]
+        checks = [("attention_mask", attention_mask, (B, L)), ("input_mask", input_mask, (B, L)),
+                  ("token_type_ids", token_type_ids, (B, L)), ("perm_mask", perm_mask, (B, L, L)),
+                  ("q_rank", q_rank, (B, L)), ("k_rank", k_rank, (B, L))]
+        if target_mapping is not None:
+            checks.append(("target_mapping", target_mapping, (B, target_mapping.shape[1] if target_mapping.dim() == 3 else -1, L)))
+        if target_pos is not None:
+            checks.append(("target_pos", target_pos, (B, target_pos.shape[-1])))
+        for name, t, shape in checks + [("mems", m, None) for m in (mems or []) if m is not None]:
+            if t is None:
+                continue
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if shape is not None and tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device} but the model is on {device}")
+        if inputs_embeds is not None and inputs_embeds.device != device:
+            raise ValueError(f"inputs_embeds is on {inputs_embeds.device} but the model is on {device}")
+        if input_ids is not None and input_ids.device != device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}")
+        for name, t in (("token_type_ids", token_type_ids), ("q_rank", q_rank), ("k_rank", k_rank),
+                        ("target_pos", target_pos)):
+            if t is not None and t.is_floating_point():
+                raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        if (q_rank is None) != (k_rank is None):
+            raise ValueError("q_rank and k_rank must be given together")
+        if target_pos is not None and target_mapping is not None:
+            raise ValueError("pass either target_mapping or target_pos, not both")
+        return B, L
+
     def forward(
         self,
         input_ids: Tensor | None = None,
@@ -547,23 +623,11 @@ class XLNetModel(XLNetPreTrainedModel):
         if use_mems is None:
             use_mems = c.use_mems_train if self.training else c.use_mems_eval
 
-        if input_ids is not None and inputs_embeds is not None:
-            raise ValueError("You cannot specify both input_ids and inputs_embeds at the same time")
-        if input_ids is None and inputs_embeds is None:
-            raise ValueError("You have to specify either input_ids or inputs_embeds")
-        if input_ids is not None:
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-            B, L = input_ids.shape
-            h = self.word_embedding(input_ids)
-        else:
-            B, L = inputs_embeds.shape[:2]
-            h = inputs_embeds
+        B, L = self._validate_inputs(input_ids, inputs_embeds, attention_mask, input_mask, mems,
+                                     perm_mask, target_mapping, token_type_ids, q_rank, k_rank,
+                                     target_pos)
+        h = self.word_embedding(input_ids) if input_ids is not None else inputs_embeds
         device = h.device
-        if (q_rank is None) != (k_rank is None):
-            raise ValueError("q_rank and k_rank must be given together")
-        if target_pos is not None and target_mapping is not None:
-            raise ValueError("pass either target_mapping or target_pos, not both")
 
         mlen = mems[0].shape[0] if mems is not None and mems[0] is not None else 0
         padding = _as_bool_padding(attention_mask, input_mask)

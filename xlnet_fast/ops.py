@@ -87,6 +87,24 @@ def _impl(backend: str):
     return eager
 
 
+def _run(backend: str, name: str, *args):
+    """Call the backend; an out-of-memory error of the eager path says what to use instead."""
+    try:
+        return getattr(_impl(backend), name)(*args)
+    except torch.OutOfMemoryError as exc:
+        if backend != "eager":
+            raise
+        raise torch.OutOfMemoryError(
+            f"{exc}\nxlnet_fast: the eager backend materialises (B, H, M, K) attention scores; on CUDA "
+            "use backend='triton' (the fused kernels keep O(L) memory) or shorter sequences") from exc
+    except RuntimeError as exc:
+        if backend != "eager" or "alloc" not in str(exc).lower():
+            raise
+        raise RuntimeError(
+            f"{exc}\nxlnet_fast: out of memory in the eager backend, which materialises (B, H, M, K) "
+            "attention scores; on a GPU, backend='triton' keeps O(L) memory") from exc
+
+
 @torch.library.custom_op("xlnet_fast::rel_attention", mutates_args=())
 def _rel_attention_op(
     q: Tensor, k: Tensor, v: Tensor, k_r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
@@ -97,7 +115,7 @@ def _rel_attention_op(
 ) -> tuple[Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
               self_rows, scale, dropout_p, seed)
-    return _impl(backend).forward(q, k, v, k_r, r_w_bias, r_r_bias, a)
+    return _run(backend, "forward", q, k, v, k_r, r_w_bias, r_r_bias, a)
 
 
 @_rel_attention_op.register_fake
@@ -118,7 +136,7 @@ def _rel_attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
               self_rows, scale, dropout_p, seed)
-    grads = _impl(backend).backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse)
+    grads = _run(backend, "backward", dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse)
     return tuple(g.contiguous() for g in grads)
 
 
