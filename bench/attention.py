@@ -18,8 +18,6 @@ wall-clock medians, for a smoke test.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 import torch
 
 import xlnet_fast
+from bench.records import append_records, environment
 from xlnet_fast import INT32_MIN
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention.json"
@@ -169,13 +168,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     providers = args.providers if device == "cuda" else [x for x in args.providers if x in ("eager", "hf")]
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    env = environment()
     records = []
     for dtype_name in args.dtypes:
         for D in args.D:
@@ -190,8 +183,7 @@ def main(argv=None) -> int:
                             ms, peak = measure(prov, t, c, mode, device)
                             flops = 4 * B * args.H * qlen * (qlen + mlen) * D * (2.5 if mode == "fwd_bwd" else 1)
                             tflops = flops / (ms * 1e-3) / 1e12 if ms != "OOM" else None
-                            rec = {"device": name, "torch": torch.__version__, "triton": triton_version,
-                                   "date": datetime.date.today().isoformat(), "op": "xlnet_attn",
+                            rec = {**env, "op": "xlnet_attn",
                                    "provider": prov, "mode": mode, "dtype": dtype_name, "B": B, "H": args.H,
                                    "L": qlen, "mlen": mlen, "D": D, "ms": ms, "tflops": tflops,
                                    "peak_mem_mb": peak, "tokens_per_s": None,
@@ -202,10 +194,7 @@ def main(argv=None) -> int:
                             print(f"{dtype_name} D={D} mlen={mlen:4} L={qlen:6} B={B:3} {mode:8} {prov:11} {ms_s} {tf_s}")
                     del t, c
     if not args.no_record:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        old = json.loads(args.out.read_text()) if args.out.exists() else []
-        args.out.write_text(json.dumps(old + records, indent=1) + "\n")
-        print(f"appended {len(records)} records to {args.out}")
+        append_records(args.out, records)
     return 0
 
 

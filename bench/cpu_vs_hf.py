@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,7 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def measure(step, repeats_fn=None):
+def measure(step):
     """(seconds, peak growth MiB) of one call of ``step``."""
     import gc
 
@@ -128,11 +127,9 @@ def main(argv=None) -> int:
                                  "hf_peak_growth_mb": mh, "xlnet_fast_peak_growth_mb": mo,
                                  "mem_ratio": mo / mh}
     if not args.no_record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        records = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
-        records.append(record)
-        RESULTS.write_text(json.dumps(records, indent=1) + "\n")
-        print(f"appended to {RESULTS}")
+        from bench.records import append_records
+
+        append_records(RESULTS, [record])
     return 0
 
 

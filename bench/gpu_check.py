@@ -12,14 +12,13 @@ mlen=384, D=64); the query stream's 85 target rows in one launch with the conten
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 import xlnet_fast
+from bench.records import append_records, environment
 from xlnet_fast import INT32_MIN
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_check.json"
@@ -74,9 +73,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU", file=sys.stderr)
         return 2
-    import triton
-
     device = "cuda"
+    env = environment()
     cases = [("content_mem384_rank_seg", dict(B=8, H=16, qlen=512, mlen=384, D=64, n_targets=0), False),
              ("two_stream_85_targets", dict(B=8, H=16, qlen=512, mlen=384, D=64, n_targets=85), True)]
     if args.long:
@@ -88,9 +86,7 @@ def main(argv=None) -> int:
         for dtype in (torch.bfloat16, torch.float16):
             out, grads = run(tensors, consts, dtype, "triton", two_stream)
             errs = {k: rel_err(grads[k], ref_grads[k]) for k in grads}
-            rec = {"op": "xlnet_attn_check", "device": torch.cuda.get_device_name(),
-                   "torch": torch.__version__, "triton": triton.__version__,
-                   "date": datetime.date.today().isoformat(), "dtype": str(dtype).split(".")[-1],
+            rec = {"op": "xlnet_attn_check", **env, "dtype": str(dtype).split(".")[-1],
                    "case": name, **{k: v for k, v in shape.items()},
                    "rel_err_out": rel_err(out, ref_out), "rel_err_grad": max(errs.values()),
                    "rel_err_grads": errs}
@@ -99,10 +95,7 @@ def main(argv=None) -> int:
                   f"{rec['rel_err_grad']:.2e} ({max(errs, key=errs.get)})")
         del ref_out, ref_grads
         torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    old = json.loads(args.out.read_text()) if args.out.exists() else []
-    args.out.write_text(json.dumps(old + records, indent=1) + "\n")
-    print(f"appended {len(records)} records to {args.out}")
+    append_records(args.out, records)
     return 0
 
 

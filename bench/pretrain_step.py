@@ -13,8 +13,6 @@ records to ``bench/results/pretrain_step.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ from pathlib import Path
 import torch
 
 import xlnet_fast
+from bench.records import append_records, environment
 from xlnet_fast.masks import local_perm
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "pretrain_step.json"
@@ -118,14 +117,7 @@ def main(argv=None) -> int:
             ms, peak, tps = "OOM", None, None
         if model is not hf:
             del model
-        try:
-            import triton
-
-            tv = triton.__version__
-        except ImportError:
-            tv = None
-        rec = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "triton": tv, "date": datetime.date.today().isoformat(), "op": "pretrain_step",
+        rec = {**environment(), "op": "pretrain_step",
                "provider": provider, "mode": "fwd_bwd", "dtype": "bf16" if device == "cuda" else "fp32",
                "config": args.config, "B": args.B, "H": cfg["n_head"], "L": args.seq, "mlen": args.mem,
                "D": cfg["d_model"] // cfg["n_head"], "num_predict": args.predict, "ms": ms, "tflops": None,
@@ -134,9 +126,7 @@ def main(argv=None) -> int:
         print(f"{args.config} B={args.B} seq={args.seq} mem={args.mem} {provider:11} "
               f"{ms if ms == 'OOM' else f'{ms:9.1f} ms'}  {tps and f'{tps:,.0f} tokens/s'}  peak {peak} MB")
     if not args.no_record:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        old = json.loads(args.out.read_text()) if args.out.exists() else []
-        args.out.write_text(json.dumps(old + records, indent=1) + "\n")
+        append_records(args.out, records)
     return 0
 
 

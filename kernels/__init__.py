@@ -20,7 +20,6 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DOT_DTYPES = {}
 
 
 def available() -> tuple[bool, str]:
@@ -105,7 +104,7 @@ def _common(q, k, v, k_r, r_w_bias, r_r_bias, a):
     return ptrs, strides, sizes, flags
 
 
-def _tiles(M: int, K: int) -> dict:
+def _tiles() -> dict:
     if _interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     return {}
@@ -114,11 +113,10 @@ def _tiles(M: int, K: int) -> dict:
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
     B, M, H, D = q.shape
-    K = k.shape[1]
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
     ptrs, strides, sizes, flags = _common(q, k, v, k_r, r_w_bias, r_r_bias, a)
-    tiles = _tiles(M, K)
+    tiles = _tiles()
     kernel = _k._fwd_kernel if tiles else _k.fwd_kernel_tuned
 
     def grid(meta):
@@ -149,8 +147,9 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
     dkr = torch.zeros((Br, R, H, D), dtype=torch.float32, device=q.device)
     dkr_strides = (dkr.stride(0) if Br > 1 else 0, dkr.stride(1), dkr.stride(2))
-    tiles = _tiles(M, K)
-    n_m_tiles = triton.cdiv(M, tiles.get("BLOCK_M", 16))
+    tiles = _tiles()
+    # room for the partial sums of the smallest BLOCK_M any config may pick (zeroed, unused rest)
+    n_m_tiles = triton.cdiv(M, tiles.get("BLOCK_M") or min(cfg.kwargs["BLOCK_M"] for cfg in _k._configs()))
     part = torch.zeros((B * H, n_m_tiles, 6, BD), dtype=torch.float32, device=q.device)
     scale = float(a.scale)
 

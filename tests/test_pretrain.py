@@ -203,7 +203,6 @@ def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sha
 
 
 def test_default_corpus_is_the_demo_bible():
-    pytest.importorskip("importlib.util")
     from xlnet_fast.train import default_corpus
 
     try:

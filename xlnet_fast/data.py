@@ -78,7 +78,8 @@ def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str)
     """Encode the corpus into an int32 token file (written streaming; ``<eod>`` ends each document).
     Reuses an existing file built from the same inputs."""
     meta_path = out_path + ".json"
-    fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(open(tokenizer.model_file, "rb").read()).hexdigest())
+    with open(tokenizer.model_file, "rb") as f:
+        fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(f.read()).hexdigest())
     if os.path.exists(out_path) and os.path.exists(meta_path):
         with open(meta_path) as f:
             meta = json.load(f)

@@ -299,15 +299,18 @@ class XLNetPreTrainedModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads."""
+    def save_pretrained(self, directory: str | os.PathLike,
+                        state_dict: dict[str, Tensor] | None = None) -> None:
+        """Write ``config.json`` and ``model.safetensors`` that ``transformers`` loads.
+
+        ``state_dict`` replaces the model's own (e.g. a gathered FSDP state)."""
         from safetensors.torch import save_file
 
         os.makedirs(directory, exist_ok=True)
         self.config.architectures = [type(self).__name__]
         self.config.save_pretrained(directory)
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()
-                 if k not in self._tied_weights_keys}
+        state = self.state_dict() if state_dict is None else state_dict
+        state = {k: v.detach().contiguous() for k, v in state.items() if k not in self._tied_weights_keys}
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
@@ -368,9 +371,7 @@ class XLNetPreTrainedModel(nn.Module):
 
 def _as_bool_padding(attention_mask: Tensor | None, input_mask: Tensor | None) -> Tensor | None:
     """(B, L) True where a token is padding, from HF's ``attention_mask`` (0 = pad) or ``input_mask``
-    (1 = pad)."""
-    if attention_mask is not None and input_mask is not None:
-        raise ValueError("pass only one of attention_mask (0 = padding) and input_mask (1 = padding)")
+    (1 = pad); at most one is given (checked by ``_validate_inputs``)."""
     if input_mask is not None:
         return input_mask > 0
     if attention_mask is not None:

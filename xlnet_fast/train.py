@@ -10,6 +10,7 @@ next step boundary and exits 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -218,8 +219,8 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(c: TrainConfig, step: int, model, raw_model, optimizer, scheduler, batches,
-                    mems, tokenizer, rank: int, world: int) -> str:
+def save_checkpoint(c: TrainConfig, step: int, raw_model, optimizer, scheduler, batches, mems,
+                    tokenizer, rank: int, world: int) -> str:
     """Write ``step_XXXXXXX`` atomically (temp dir, then rename) and keep the last ``c.keep``."""
     root = _ckpt_root(c)
     final = os.path.join(root, f"step_{step:07d}")
@@ -228,9 +229,9 @@ def save_checkpoint(c: TrainConfig, step: int, model, raw_model, optimizer, sche
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(world)
-    full_state = _full_state_dict(model, raw_model, c)
+    full_state = _full_state_dict(raw_model, c)  # a collective under FSDP: every rank calls it
     if rank == 0:
-        raw_model.save_pretrained(tmp) if full_state is None else _save_hf(raw_model, full_state, tmp)
+        raw_model.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         torch.save({"step": step, "optimizer": optimizer.state_dict() if not c.fsdp else None,
                     "scheduler": scheduler.state_dict(), "train_config": dataclasses.asdict(c)},
@@ -252,21 +253,13 @@ def save_checkpoint(c: TrainConfig, step: int, model, raw_model, optimizer, sche
     return final
 
 
-def _full_state_dict(model, raw_model, c: TrainConfig):
+def _full_state_dict(raw_model, c: TrainConfig):
+    """The unsharded model state under FSDP (None otherwise: save_pretrained reads the model)."""
     if not c.fsdp:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def _save_hf(raw_model, state, directory):
-    from safetensors.torch import save_file
-
-    raw_model.config.architectures = [type(raw_model).__name__]
-    raw_model.config.save_pretrained(directory)
-    state = {k: v.contiguous() for k, v in state.items() if k not in raw_model._tied_weights_keys}
-    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
 
 def load_latest_checkpoint(c: TrainConfig) -> str | None:
@@ -396,7 +389,7 @@ def pretrain(cfg: TrainConfig) -> dict:
                 batch = {k: v.to(device) for k, v in batches.next_batch().items()}
                 n_targets = _all_sum((batch["labels"] != -100).sum().float(), world) * c.grad_accum
                 sync = micro == c.grad_accum - 1 or world == 1 or c.fsdp
-                ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else _nullcontext()
+                ctx = model.no_sync() if (not sync and hasattr(model, "no_sync")) else contextlib.nullcontext()
                 with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                     out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
                                 q_rank=batch["q_rank"], k_rank=batch["k_rank"],
@@ -430,8 +423,8 @@ def pretrain(cfg: TrainConfig) -> dict:
                     bar.set_postfix(loss=f"{last_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
             stop_now = _agree(stop.requested, world, device)
             if (c.save_every and step % c.save_every == 0) or step == c.steps or stop_now:
-                ckpt_path = save_checkpoint(c, step, model, raw_model, optimizer, scheduler, batches,
-                                            mems, tokenizer, rank, world)
+                ckpt_path = save_checkpoint(c, step, raw_model, optimizer, scheduler, batches, mems,
+                                            tokenizer, rank, world)
             if stop_now:
                 preempted = True
                 if rank == 0:
@@ -457,14 +450,6 @@ def _truncate_metrics(path: str, step: int) -> None:
         rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
     with open(path, "w") as f:
         f.writelines(rows)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _checkpointed(fn):
