@@ -137,6 +137,10 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         deterministic = torch.are_deterministic_algorithms_enabled()
     B, M, H, D = q.shape
     K, Br, R = k.shape[1], k_r.shape[0], k_r.shape[1]
+    if dout.stride(-1) != 1:
+        # the kernels read dO rows with a unit last-dim stride; `out.sum().backward()` hands us an
+        # expanded (stride 0) gradient, so make such a one contiguous
+        dout = dout.contiguous()
     ptrs, strides, sizes, flags = _common(q, k, v, k_r, r_w_bias, r_r_bias, a)
     BD = flags["BLOCK_D"]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)

@@ -231,3 +231,26 @@ def test_torch_compile_with_triton_backend():
     g2 = torch.autograd.grad(f(*leaves), leaves)
     for a, b in zip(g1, g2):
         assert rel(a, b) < 1e-6
+
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "strided"])
+def test_backward_with_non_contiguous_incoming_gradient(reduce):
+    # regression: the backward read dO assuming a unit last-dim stride, and `out.sum()` hands it an
+    # expanded (stride 0) gradient: gradients were 1e34 / inf / NaN
+    tensors, kw = on_device(*make_case(**CASES["content_seg_mem"], dtype=torch.float32))
+    weight = torch.randn(tensors[0].shape[-1], tensors[0].shape[-2], device=DEVICE)
+
+    def reduce_to_loss(out):
+        if reduce == "strided":  # dO = weight.t(): last-dim stride != 1
+            return (out * weight.t()).sum()
+        return getattr(out, reduce)()
+
+    def grads_of(fn, xs, kwargs):
+        leaves = [t.detach().clone().requires_grad_() for t in xs]
+        return torch.autograd.grad(reduce_to_loss(fn(*leaves, **kwargs)), leaves)
+
+    t64, k64 = to64(tensors, kw)
+    for name, a, b in zip(GRAD_NAMES, grads_of(triton_fn, tensors, kw), grads_of(eager_fn, t64, k64)):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < 1e-4, name
