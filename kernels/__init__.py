@@ -20,6 +20,9 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Philox seeds are 31-bit in the kernels
+SEED_MODULUS = 2**31 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def available() -> tuple[bool, str]:
@@ -65,49 +68,92 @@ def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
 
-def _opt(t, dummy):
-    return dummy if t is None else t
+def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
+    """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key, -1 = padding),
+    segment id, rank and the caller's row; rows ordered by position (content row before the
+    target rows at the same position) so that tiles are banded. Also whether every tile is
+    banded by construction (the content stream: row i at position i)."""
+    rows = torch.zeros((B, M, int(_k.ROW_FIELDS)), dtype=torch.int32, device=device)
+    caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
+    own = (caller < a.self_rows).long()
+    if a.q_pos is None:
+        pos, order = caller, caller
+    else:
+        # q_pos below zero (any int64) is a padding row: clamp before narrowing to int32
+        pos = a.q_pos.long().clamp(min=-1)
+        # sort key: position, then content rows before target rows; padding rows last
+        key = torch.where(pos >= 0, pos * 2 + (1 - own), torch.full_like(pos, 2 * a.qlen + 2))
+        order = torch.sort(key, dim=1, stable=True).indices
+    take = lambda t: t.gather(1, order) if a.q_pos is not None else t  # noqa: E731
+    p_sorted = take(pos)
+    rows[..., int(_k.ROW_CODE)] = torch.where(p_sorted >= 0, p_sorted * 2 + take(own), -1).to(torch.int32)
+    if a.q_seg is not None:
+        rows[..., int(_k.ROW_SEG)] = take(a.q_seg.long()).to(torch.int32)
+    # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1);
+    # padding rows see nothing
+    rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
+    rows[..., int(_k.ROW_RANK)] = torch.where(p_sorted >= 0, rank, _INT32_MIN).to(torch.int32)
+    rows[..., int(_k.ROW_SRC)] = order.to(torch.int32)
+    return rows, a.q_pos is None
 
 
-def _strides(t, n):
-    return tuple(t.stride()[:n]) if t is not None else (0,) * n
+def _keys_table(a, B: int, K: int, device) -> torch.Tensor:
+    """(B, K padded to KEY_PAD, KEY_FIELDS) int32: segment id and rank of each key; the padding
+    keys have rank INT32_MAX (never visible), the real ones -1 when there is no rank mask."""
+    padded = triton.cdiv(K, int(_k.KEY_PAD)) * int(_k.KEY_PAD)
+    keys = torch.zeros((B, padded, int(_k.KEY_FIELDS)), dtype=torch.int32, device=device)
+    keys[:, K:, int(_k.KEY_RANK)] = _INT32_MAX
+    keys[:, :K, int(_k.KEY_RANK)] = a.k_rank if a.k_rank is not None else -1
+    if a.k_seg is not None:
+        keys[:, :K, int(_k.KEY_SEG)] = a.k_seg.to(torch.int32)
+    return keys
 
 
-def _common(q, k, v, k_r, r_w_bias, r_r_bias, a):
-    """Kernel arguments shared by the forward and the backward launches."""
+def _head_table(r_w_bias, r_r_bias, a) -> torch.Tensor:
+    """(H, HEAD_FIELDS, D) fp32: r_w_bias, r_r_bias, r_s_bias, seg_embed[0], seg_embed[1]."""
+    H, D = r_w_bias.shape
+    head = torch.zeros((H, int(_k.HEAD_FIELDS), D), dtype=torch.float32, device=r_w_bias.device)
+    head[:, 0], head[:, 1] = r_w_bias.float(), r_r_bias.float()
+    if a.seg_embed is not None:
+        head[:, 2] = a.r_s_bias.float()
+        head[:, 3], head[:, 4] = a.seg_embed[0].float(), a.seg_embed[1].float()
+    return head
+
+
+def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
+    """Keyword arguments every kernel takes, by name."""
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
-    dummy = q.new_empty(1)
-    idummy = torch.zeros(1, dtype=torch.int32, device=q.device)
-    has_seg = a.seg_embed is not None
-    mask_mode = 1 if a.attn_mask is not None else (2 if a.q_rank is not None else 0)
-    mask = a.attn_mask.view(torch.uint8) if a.attn_mask is not None else None
-    r_w_bias, r_r_bias = r_w_bias.contiguous(), r_r_bias.contiguous()
-    seg_bias = a.r_s_bias.contiguous() if has_seg else r_w_bias
-    seg = a.seg_embed.contiguous() if has_seg else dummy.expand(2, H, D)
-    ptrs = (q, k, v, k_r, r_w_bias, r_r_bias, seg_bias, seg, _opt(a.q_seg, idummy), _opt(a.k_seg, idummy),
-            _opt(mask, idummy), _opt(a.q_rank, idummy), _opt(a.k_rank, idummy), _opt(a.q_pos, idummy))
-    krb = k_r.stride(0) if k_r.shape[0] > 1 else 0
-    strides = (
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), krb, k_r.stride(1), k_r.stride(2),
-        r_w_bias.stride(0), seg.stride(0), seg.stride(1),
-        *_strides(a.q_seg, 2), *_strides(a.k_seg, 2), *_strides(mask, 3),
-        *_strides(a.q_rank, 2), *_strides(a.k_rank, 2), *_strides(a.q_pos, 2),
-    )
-    flags = dict(HAS_SEG=has_seg, MASK_MODE=mask_mode, SELF_VISIBLE=a.self_rows > 0,
-                 HAS_QPOS=a.q_pos is not None, CHECK_R=R < K + a.qlen, DROPOUT=a.dropout_p > 0,
-                 BLOCK_D=_block_d(D), DOT_DTYPE=_dot_dtype(q.dtype),
-                 INPUT_PRECISION=_input_precision(q.dtype))
+    rows, banded_only = _rows_table(a, B, M, q.device)
+    if a.attn_mask is not None:
+        mask = a.attn_mask if a.attn_mask.stride(-1) == 1 else a.attn_mask.contiguous()
+        mask = mask.view(torch.uint8)
+        masking, stride_mb, stride_mm = _k.MASK_DENSE, mask.stride(0), mask.stride(1)
+    else:
+        mask = rows  # never read
+        masking = _k.MASK_RANKS if a.q_rank is not None else _k.MASK_NONE
+        stride_mb = stride_mm = 0
     seed = int(a.seed.item()) if a.seed is not None else 0
-    sizes = (H, M, K, R, D, a.qlen, K - a.qlen, a.self_rows, a.scale * _k.LOG2E, seed % (2**31 - 1), float(a.dropout_p))
-    return ptrs, strides, sizes, flags
+    return dict(
+        Q=q, K=k, V=v, KR=k_r, HEAD=_head_table(r_w_bias, r_r_bias, a), ROWS=rows,
+        KEYS=_keys_table(a, B, K, q.device), MASK=mask,
+        stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
+        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
+        stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
+        stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
+        stride_mb=stride_mb, stride_mm=stride_mm,
+        H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * _k.LOG2E_VALUE,
+        seed=seed % SEED_MODULUS, dropout_p=float(a.dropout_p),
+        SEGMENTS=a.seg_embed is not None, MASKING=int(masking), BANDED_ONLY=banded_only,
+        CHECK_R=R < K + a.qlen, DROPOUT=a.dropout_p > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
+        DOT_DTYPE=_dot_dtype(q.dtype), INPUT_PRECISION=_input_precision(q.dtype),
+    )
+
+
 
 
 def _tiles() -> dict:
-    if _interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    return {}
+    return dict(_k.INTERPRETER_TILES) if _interpreting() else {}
 
 
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
@@ -115,15 +161,12 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     B, M, H, D = q.shape
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-    ptrs, strides, sizes, flags = _common(q, k, v, k_r, r_w_bias, r_r_bias, a)
+    args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
     tiles = _tiles()
     kernel = _k._fwd_kernel if tiles else _k.fwd_kernel_tuned
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), B * H)
-
-    kernel[grid](*ptrs, out, lse, *strides, out.stride(0), out.stride(1), out.stride(2),
-                 lse.stride(0), lse.stride(1), *sizes, **flags, **tiles)
+    kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H)](
+        **args, OUT=out, LSE=lse, stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
+        **tiles)
     return out, lse
 
 
@@ -141,44 +184,45 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         # the kernels read dO rows with a unit last-dim stride; `out.sum().backward()` hands us an
         # expanded (stride 0) gradient, so make such a one contiguous
         dout = dout.contiguous()
-    ptrs, strides, sizes, flags = _common(q, k, v, k_r, r_w_bias, r_r_bias, a)
-    BD = flags["BLOCK_D"]
+    args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
+    block_d = args["BLOCK_D"]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)
-    lse = lse.contiguous()
-    grad_io = (dout, dout.stride(0), dout.stride(1), dout.stride(2), lse, delta, lse.stride(0), lse.stride(1))
+    grad_io = dict(DO=dout, LSE=lse.contiguous(), DELTA=delta, stride_dob=dout.stride(0),
+                   stride_dom=dout.stride(1), stride_doh=dout.stride(2))
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, K, H, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
     dkr = torch.zeros((Br, R, H, D), dtype=torch.float32, device=q.device)
-    dkr_strides = (dkr.stride(0) if Br > 1 else 0, dkr.stride(1), dkr.stride(2))
+    stride_dkrb = dkr.stride(0) if Br > 1 else 0
     tiles = _tiles()
     # room for the partial sums of the smallest BLOCK_M any config may pick (zeroed, unused rest)
-    n_m_tiles = triton.cdiv(M, tiles.get("BLOCK_M") or min(cfg.kwargs["BLOCK_M"] for cfg in _k._configs()))
-    part = torch.zeros((B * H, n_m_tiles, 6, BD), dtype=torch.float32, device=q.device)
-    scale = float(a.scale)
+    n_m_tiles = triton.cdiv(M, tiles.get("BLOCK_M") or min(bm for bm, *_ in _k.CONFIGS))
+    part = torch.zeros((B * H, n_m_tiles, int(_k.PART_FIELDS), block_d), dtype=torch.float32, device=q.device)
 
     kv = _k._bwd_kv_kernel if tiles else _k.bwd_kv_kernel_tuned
-    kv[lambda m: (triton.cdiv(K, m["BLOCK_N"]), B * H)](
-        *ptrs, *strides, *sizes, *grad_io, dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
-        dkr, *dkr_strides, scale, **flags, DKR_ATOMIC=not deterministic, **tiles)
+    kv[lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)](**args, **grad_io, DK=dk, DV=dv, **tiles)
     qk = _k._bwd_q_kernel if tiles else _k.bwd_q_kernel_tuned
-    qk[lambda m: (triton.cdiv(M, m["BLOCK_M"]), B * H)](
-        *ptrs, *strides, *sizes, *grad_io, dq, dq.stride(0), dq.stride(1), dq.stride(2), part,
-        n_m_tiles, scale, **flags, **tiles)
+    qk[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H)](
+        **args, **grad_io, DQ=dq, DKR=dkr, PART=part, stride_dkrb=stride_dkrb, n_m_tiles=n_m_tiles,
+        DKR_ATOMIC=not deterministic, **tiles)
     if deterministic:
-        fixed = tiles or dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        fixed = tiles or _k.DETERMINISTIC_TILES
+        det_args = {name: val for name, val in args.items() if name != "BANDED_ONLY"}
         _k._bwd_kr_kernel[(triton.cdiv(R, fixed["BLOCK_N"]), Br * H)](
-            *ptrs, *strides, *sizes, *grad_io, dkr, *dkr_strides, B // Br, scale, **flags, **fixed)
+            **det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br, **fixed)
 
-    sums = part.view(B, H, n_m_tiles, 6, BD).sum((0, 2))[..., :D]  # (H, 6, D)
-    dr_w, dr_r = sums[:, 0].clone(), sums[:, 1].clone()
+    # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §5)
+    scale = float(a.scale)
+    sums = part.view(B, H, n_m_tiles, int(_k.PART_FIELDS), block_d).sum((0, 2))[..., :D]  # (H, 6, D)
+    dr_w, dr_r = sums[:, 0] * scale, sums[:, 1] * scale
     if a.seg_embed is not None:
-        g = sums[:, 4:6, 0]  # (H, 2): sum of dS over same / different-segment keys
+        g = sums[:, 4:6, 0] * scale  # (H, 2): scaled sums of dS over same / different-segment keys
         seg = a.seg_embed.float()
         dr_s = g[:, 0, None] * seg[0] + g[:, 1, None] * seg[1]
-        dseg = torch.stack([sums[:, 2], sums[:, 3]])
+        dseg = torch.stack([sums[:, 2], sums[:, 3]]) / _k.LOG2E_VALUE
         dr_s, dseg = dr_s.to(a.r_s_bias.dtype), dseg.to(a.seg_embed.dtype)
     else:
         dr_s = torch.zeros_like(r_w_bias)
         dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
-    return dq, dk, dv, dkr.to(k_r.dtype), dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
+    dkr = (dkr / _k.LOG2E_VALUE).to(k_r.dtype)
+    return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg

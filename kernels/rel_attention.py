@@ -1,21 +1,34 @@
 """Fused XLNet relative attention in Triton: forward and backward (FlashAttention-2 scheme).
 
-Per (query tile, key tile) the score tile is built in registers and never written out:
+Per (query tile, key tile) the score tile is built in registers and never written out
+(docs/DESIGN.md §2 has the math):
 
 * content term ``(q + r_w_bias) . k`` — one ``tl.dot``;
-* relative term ``(q + r_r_bias) . k_r[qlen + j - p_i]`` — the shift is done on the fly: for the
-  k_r rows the tile needs (a window of ``BLOCK_N + span(p) - 1`` rows, taken in chunks of
-  ``BLOCK_N``), ``raw = q_r @ k_r_chunk^T`` is skewed into the tile with ``tl.gather``;
+* relative term ``bd[i, j] = (q_i + r_r_bias) . k_r[qlen + j - p_i]`` — the shift is done on the fly.
+  ``raw = q_r @ k_r[w0 : w0 + 2*BLOCK_N]^T`` is the product with a *window* of k_r rows; row i of the
+  tile reads ``raw[i, qlen + j - p_i - w0]``. Flattened row-major, that is the element at
+  ``i * 2*BLOCK_N + (qlen + j - p_i - w0)``: the original reshape ``rel_shift`` as an index identity.
+  One 1-D ``tl.gather`` on the flattened window reads it through shared memory straight into the
+  accumulator's layout (a 2-D gather along rows would be re-laid out through shared memory and back);
 * segment term — two per-row scalars ``(q + r_s_bias) . seg_embed[0/1]`` picked by segment equality;
-* masks — compact ranks (``k_rank[j] < q_rank[i]``, or the query's own key for rows < ``self_rows``), a
-  dense bool tile, padding rows (``q_pos < 0``), k_r rows past the end ("uni").
+* masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
+  bool tile, padding rows (negative position), k_r rows past the end ("uni").
 
-Softmax is online in base 2 (``exp2``) with fp32 statistics; attention dropout uses Philox
-(``tl.rand``) keyed by (seed, batch*head) and counted by ``i * K + j``, regenerated in backward.
-Backward: ``delta = rowsum(dO * O)``, then one kernel per key tile (dK, dV, and dk_r through the
-inverse skew, with fp32 atomics along the k_r rows) and one per query tile (dQ and the per-tile
-sums that give the bias and seg_embed gradients). ``deterministic=True`` replaces the dk_r atomics by
-a kernel that owns a tile of k_r rows and recomputes the scores that map onto it.
+Banded tiles. The launcher orders the query rows by position (``ROWS`` maps tile rows to the
+caller's rows), so a tile's positions usually span fewer than BLOCK_M values (always for the content
+stream and for two-stream launches, where every position has a content row). Then, with the window
+anchored at the tile's last position ``p_hi`` (``w0 = qlen + n0 - p_hi``), the gather index
+``(j - n0) + (p_hi - p_i)`` is the same for every key tile, and consecutive key tiles' windows overlap
+by BLOCK_N rows: each key tile multiplies only the new half and carries the previous one (3 dots per
+tile instead of FlashAttention's 2). Tiles spanning more positions (sparse query-stream rows) take the
+general path: windows of 2*BLOCK_N k_r rows until the tile's span is covered.
+
+Softmax is online in base 2 with fp32 statistics; ``scale * log2(e)`` is folded into the query
+operands. Attention dropout uses Philox (``tl.rand``) keyed by (seed, batch*head) and counted by
+``caller_row * K + j``, regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
+key tile (dK, dV) and one per query tile (dQ, dk_r by fp32 atomics — one BLOCK_N-row tile per key
+tile thanks to the same carry — and the per-tile sums that give the bias and seg_embed gradients).
+``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
 """
 
 from __future__ import annotations
@@ -23,183 +36,273 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E_VALUE = 1.4426950408889634
+LOG2E = tl.constexpr(LOG2E_VALUE)
+INT32_MAX = tl.constexpr(2**31 - 1)
+INT32_MIN = tl.constexpr(-(2**31))
+# Masking modes (launcher and kernels agree on these).
+MASK_NONE = tl.constexpr(0)
+MASK_DENSE = tl.constexpr(1)
+MASK_RANKS = tl.constexpr(2)
+# Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS) the launcher builds:
+#   code = 2 * position + sees_own_key, or -1 for a padding row; segment id; rank; the caller's row.
+ROW_FIELDS = tl.constexpr(4)
+ROW_CODE = tl.constexpr(0)
+ROW_SEG = tl.constexpr(1)
+ROW_RANK = tl.constexpr(2)
+ROW_SRC = tl.constexpr(3)
+# Per-key int32 fields of the KEYS table (B, K padded to KEY_PAD, KEY_FIELDS): segment id; rank (keys
+# past the end: INT32_MAX, never visible; so key tiles load it unmasked).
+KEY_PAD = tl.constexpr(128)
+KEY_FIELDS = tl.constexpr(2)
+KEY_SEG = tl.constexpr(0)
+KEY_RANK = tl.constexpr(1)
+# Per-head fp32 parameters (H, HEAD_FIELDS, D): r_w_bias, r_r_bias, r_s_bias, seg_embed[0], seg_embed[1].
+HEAD_FIELDS = tl.constexpr(5)
+# Per-(b*h, query tile) partial sums of the dQ kernel (B*H, n_m_tiles, PART_FIELDS, BLOCK_D):
+#   sum dq_w, sum dq_r, sum g0*q_s, sum g1*q_s, sum g0 (column 0), sum g1 (column 0).
+PART_FIELDS = tl.constexpr(6)
+# Philox streams: seed + (b*H + h) * DROPOUT_STREAM_STRIDE.
+DROPOUT_STREAM_STRIDE = tl.constexpr(1000003)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared pieces
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_rows(ptr, stride, rows, row_ok, other):
-    return tl.load(ptr + rows * stride, mask=row_ok, other=other)
-
-
-@triton.jit
-def _query_tile(q_base, stride_qm, rows, row_ok, offs_d, d_ok, bias_w_ptr, bias_r_ptr, bias_s_ptr,
-                seg_ptr, stride_seg, HAS_SEG: tl.constexpr):
-    """q + r_w_bias, q + r_r_bias, q + r_s_bias (fp32, (BLOCK_M, BLOCK_D)) and the per-row segment
-    scores (q + r_s_bias) . seg_embed[0/1]."""
-    q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+def _query_side(q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale,
+                HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Everything a query tile needs: positions (padding rows: -1), segment ids, ranks (padding
+    rows: INT32_MIN, they see nothing), the key column each row also sees (its own key, or -1), the
+    caller's row of each tile row, the query operands with their bias and ``qk_scale`` folded in
+    (``q_w``, ``q_r`` in DOT_DTYPE, ``q_s`` fp32) and the per-row segment scores for same-segment
+    keys and the difference for different-segment keys."""
+    row_in = rows < M
+    meta = rows_base + rows * ROW_FIELDS
+    code = tl.load(meta + ROW_CODE, mask=row_in, other=-1)
+    src_row = tl.load(meta + ROW_SRC, mask=row_in, other=0)
+    rank_q = tl.load(meta + ROW_RANK, mask=row_in, other=INT32_MIN)
+    row_ok = code >= 0
+    pos = tl.where(row_ok, code >> 1, -1)
+    own_col = tl.where(row_ok & ((code & 1) == 1), N_KEYS - qlen + pos, -1)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_base + src_row[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q_w = q + tl.load(bias_w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    q_r = q + tl.load(bias_r_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_SEG:
-        q_s = q + tl.load(bias_s_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        seg0 = tl.load(seg_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        seg1 = tl.load(seg_ptr + stride_seg + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        e0 = tl.sum(q_s * seg0[None, :], axis=1)
-        e1 = tl.sum(q_s * seg1[None, :], axis=1)
+    r_w = tl.load(head_base + offs_d, mask=d_ok, other=0.0)
+    r_r = tl.load(head_base + HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+    q_w = ((q + r_w[None, :]) * qk_scale).to(DOT_DTYPE)
+    q_r = ((q + r_r[None, :]) * qk_scale).to(DOT_DTYPE)
+    if SEGMENTS:
+        r_s = tl.load(head_base + 2 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        q_s = (q + r_s[None, :]) * qk_scale
+        e_same = tl.sum(q_s * seg0[None, :], axis=1)
+        e_delta = tl.sum(q_s * (seg1 - seg0)[None, :], axis=1)
+        seg_q = tl.load(meta + ROW_SEG, mask=row_in, other=0)
     else:
         q_s = q
-        e0 = tl.sum(q * 0.0, axis=1)
-        e1 = e0
-    return q_w, q_r, q_s, e0, e1
+        e_same = tl.sum(q * 0.0, axis=1)
+        e_delta = e_same
+        seg_q = rows
+    return pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta
 
 
 @triton.jit
-def _query_side(q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-                b, h, rows, offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm,
-                stride_qsb, stride_qsm, stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh,
-                HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr):
-    """A query tile's positions (padding rows: p < 0), biased queries, segment scores, segment ids
-    and ranks."""
-    row_in = rows < M
-    if HAS_QPOS:
-        p = _load_rows(qpos_ptr + b * stride_qpb, stride_qpm, rows, row_in, -1).to(tl.int32)
-    else:
-        p = rows
-    row_ok = row_in & (p >= 0)
-    q_w, q_r, q_s, e0, e1 = _query_tile(q_ptr + b * stride_qb + h * stride_qh, stride_qm, rows,
-                                        row_in, offs_d, d_ok, bias_w_ptr + h * stride_bh,
-                                        bias_r_ptr + h * stride_bh, bias_s_ptr + h * stride_bh,
-                                        seg_ptr + h * stride_segh, stride_seg, HAS_SEG)
-    q_seg = _load_rows(qseg_ptr + b * stride_qsb, stride_qsm, rows, row_in, 0) if HAS_SEG else rows
-    q_rank = _load_rows(qrank_ptr + b * stride_qrb, stride_qrm, rows, row_in, 0) if MASK_MODE == 2 else rows
-    return p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank
+def _padded_keys(N_KEYS):
+    return tl.cdiv(N_KEYS, KEY_PAD) * KEY_PAD
 
 
 @triton.jit
-def _window(p, row_ok, n0, qlen, R, BLOCK_N: tl.constexpr):
-    """First and one-past-last k_r row that the (query tile, key tile at n0) pair reads."""
-    p_hi = tl.max(tl.where(row_ok, p, -1), axis=0)
-    p_lo = tl.min(tl.where(row_ok, p, qlen), axis=0)
-    c_lo = tl.maximum(qlen + n0 - p_hi, 0)
-    c_hi = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
-    return c_lo, c_hi
+def _band(pos, row_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's last position ``p_hi``, whether it is banded (its positions span < BLOCK_M values),
+    and the loop-invariant flat gather index of a banded tile: row i, key column jj reads window
+    column ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window."""
+    p_hi = tl.max(tl.where(row_ok, pos, -1), axis=0)
+    p_lo = tl.min(tl.where(row_ok, pos, INT32_MAX), axis=0)
+    banded = (p_hi - p_lo < BLOCK_M) | (p_hi < 0)
+    lag = tl.where(row_ok, p_hi - pos, 0)
+    local = tl.arange(0, BLOCK_M)
+    flat_idx = local[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :] + lag[:, None]
+    return p_hi, p_lo, banded, lag, flat_idx
 
 
 @triton.jit
-def _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
-            kr_base, stride_krr, kseg_base, stride_ksk, krank_base, stride_krk,
-            mask_base, stride_mm, stride_mk, rows, offs_d, d_ok,
-            K, R, qlen, mlen, self_rows, qk_scale,
-            HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
-            CHECK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
-    """Scaled (log2 domain) score tile (BLOCK_M, BLOCK_N) with -inf where a key is not visible."""
+def _load_rows(base, stride_row, first, n_rows, offs_d, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``first .. first + ROWS`` of a (n_rows, D) matrix (zeros outside [0, n_rows))."""
+    r = first + tl.arange(0, ROWS)
+    ok = (r >= 0) & (r < n_rows)
+    # in-row offsets are int32: the launcher keeps (rows * row stride) below 2**31
+    return tl.load(base + r[:, None] * stride_row + offs_d[None, :],
+                   mask=ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
+def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """bd (BLOCK_M, BLOCK_N) from a window given as two (BLOCK_M, BLOCK_N) halves."""
+    window = tl.permute(tl.join(raw_lo, raw_hi), (0, 2, 1))  # (BLOCK_M, 2, BLOCK_N)
+    flat = tl.reshape(window, [BLOCK_M * 2 * BLOCK_N])
+    return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
+                      [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _skew_window(raw, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """bd (BLOCK_M, BLOCK_N) from a (BLOCK_M, 2*BLOCK_N) window."""
+    flat = tl.reshape(raw, [BLOCK_M * 2 * BLOCK_N])
+    return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
+                      [BLOCK_M, BLOCK_N])
+
+
+@triton.jit
+def _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """bd for a tile whose positions span BLOCK_M or more values: windows of 2*BLOCK_N k_r rows
+    from ``qlen + n0 - p_hi`` until every row's range is covered."""
+    local = tl.arange(0, BLOCK_M)
+    jj = tl.arange(0, BLOCK_N)
+    bd = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    c_first = qlen + n0 - p_hi
+    c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
+    for c0 in range(c_first, c_end, 2 * BLOCK_N):
+        kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
+        raw = tl.dot(q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        col = qlen + n0 - pos[:, None] + jj[None, :] - c0
+        inside = (col >= 0) & (col < 2 * BLOCK_N) & row_ok[:, None]
+        flat_idx = local[:, None] * (2 * BLOCK_N) + tl.where(inside, col, 0)
+        bd += tl.where(inside, _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N), 0.0)
+    return bd
+
+
+@triton.jit
+def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_base, stride_mm,
+                   pos, n0, qlen, R, SEGMENTS: tl.constexpr, MASKING: tl.constexpr,
+                   CHECK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add the segment term to ``ac + bd`` (already scaled, log2 domain) and mask: -inf where a key
+    is not visible. The segment term's per-row part for same-segment keys is left out: a constant
+    per row does not change the softmax (the launcher's lse adds it back)."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    col_ok = cols < K
-    s = tl.dot(q_w.to(DOT_DTYPE), tl.trans(k_tile), input_precision=INPUT_PRECISION)
-    # relative term: bd[i, j] = raw[i, qlen + j - p_i], gathered chunk by chunk of k_r rows
-    rel = qlen + cols[None, :] - p[:, None]
-    c_lo, c_hi = _window(p, row_ok, n0, qlen, R, BLOCK_N)
-    q_r_dot = q_r.to(DOT_DTYPE)
-    for c0 in range(c_lo, c_hi, BLOCK_N):
-        c_rows = c0 + tl.arange(0, BLOCK_N)
-        kr = tl.load(kr_base + c_rows[:, None] * stride_krr + offs_d[None, :],
-                     mask=(c_rows < R)[:, None] & d_ok[None, :], other=0.0)
-        raw = tl.dot(q_r_dot, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        idx = rel - c0
-        in_chunk = (idx >= 0) & (idx < BLOCK_N)
-        s += tl.where(in_chunk, tl.gather(raw, tl.where(in_chunk, idx, 0), axis=1), 0.0)
-    if HAS_SEG:
-        k_seg = tl.load(kseg_base + cols * stride_ksk, mask=col_ok, other=0)
-        s += tl.where(q_seg[:, None] != k_seg[None, :], e1[:, None], e0[:, None])
-    s = s * qk_scale
-    visible = row_ok[:, None] & col_ok[None, :]
-    if MASK_MODE == 1:
-        blocked = tl.load(mask_base + rows[:, None] * stride_mm + cols[None, :] * stride_mk,
-                          mask=visible, other=1)
+    # one load for both fields: (BLOCK_N, KEY_FIELDS) split into segment ids and ranks
+    key_meta = tl.load(keys_base + cols[:, None] * KEY_FIELDS + tl.arange(0, KEY_FIELDS)[None, :])
+    seg_k, rank_k = tl.split(key_meta)
+    if SEGMENTS:
+        s += tl.where(seg_q[:, None] != seg_k[None, :], e_delta[:, None], 0.0)
+    # ranks are always there: padding rows have rank INT32_MIN, keys past the end INT32_MAX
+    visible = (rank_k[None, :] < rank_q[:, None]) | (cols[None, :] == own_col[:, None])
+    if MASKING == MASK_DENSE:
+        blocked = tl.load(mask_base + row_src[:, None] * stride_mm + cols[None, :], mask=visible, other=1)
         visible = visible & (blocked == 0)
-    if MASK_MODE == 2:
-        k_rank = tl.load(krank_base + cols * stride_krk, mask=col_ok, other=0)
-        seen = k_rank[None, :] < q_rank[:, None]
-        if SELF_VISIBLE:
-            seen = seen | ((cols[None, :] == (mlen + p)[:, None]) & (rows < self_rows)[:, None])
-        visible = visible & seen
     if CHECK_R:
-        visible = visible & (rel < R)
+        visible = visible & ((qlen + cols[None, :] - pos[:, None]) < R)
     return tl.where(visible, s, float("-inf"))
 
 
 @triton.jit
-def _dropout_keep(seed, pid_bh, rows, cols, K, dropout_p):
-    offsets = rows[:, None] * K + cols[None, :]
-    return tl.rand(seed + pid_bh * 1000003, offsets) >= dropout_p
+def _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p):
+    offsets = src_row[:, None] * N_KEYS + cols[None, :]
+    return tl.rand(seed + pid_bh * DROPOUT_STREAM_STRIDE, offsets) >= dropout_p
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax in base 2: probabilities of this tile, the rescale of the running sums, and
+    the new row max and sum. Rows that have seen no visible key keep m = -inf and p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    prob = tl.exp2(s - m_safe[:, None])
+    return prob, alpha, m_new, l_i * alpha + tl.sum(prob, axis=1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _fwd_kernel(
-    q_ptr, k_ptr, v_ptr, kr_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-    qseg_ptr, kseg_ptr, mask_ptr, qrank_ptr, krank_ptr, qpos_ptr, out_ptr, lse_ptr,
+    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, OUT, LSE,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
-    stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
-    stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
-    HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
-    HAS_QPOS: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
+    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # base pointers of this (batch row, head), offset once
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    kr_base = KR + b * stride_rb + h * stride_rh
+    keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
+    mask_base = MASK + b * stride_mb
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    row_in = rows < M
-    p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank = _query_side(
-        q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr, b, h, rows,
-        offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm, stride_qsb, stride_qsm,
-        stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh, HAS_SEG, MASK_MODE, HAS_QPOS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
-    kr_base = kr_ptr + b * stride_krb + h * stride_krh
+    # 1. query side: operands with bias and scale folded in, per-row metadata
+    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
+        q_base, stride_qm, ROWS + b * M * ROW_FIELDS, HEAD + h * HEAD_FIELDS * HEAD_DIM, rows, offs_d,
+        M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+    if BANDED_ONLY:  # every tile is banded: compile the banded path alone
+        banded = True
+
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for n0 in range(0, K, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < K)[:, None] & d_ok[None, :]
-        k_tile = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile.to(DOT_DTYPE), n0,
-                    kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
-                    krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
-                    HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
-        # online softmax; rows that have seen no visible key yet keep m = -inf and p = 0
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        prob = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, axis=1)
-        if DROPOUT:
-            keep = _dropout_keep(seed, pid_bh, rows, cols, K, dropout_p)
-            prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
-        v_tile = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v_tile.to(DOT_DTYPE),
-                                            input_precision=INPUT_PRECISION)
-        m_i = m_new
+    if banded:
+        # 2. banded tiles: carry the lower half of each k_r window to the next key tile
+        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
+        raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        for n0 in range(0, N_KEYS, BLOCK_N):
+            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
+            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+            if DROPOUT:
+                keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
+                prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
+            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                                input_precision=INPUT_PRECISION)
+            raw_lo = raw_hi
+    else:
+        # 2'. tiles spanning many positions: as many k_r windows as the span needs
+        for n0 in range(0, N_KEYS, BLOCK_N):
+            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+            if DROPOUT:
+                keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
+                prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
+            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                                input_precision=INPUT_PRECISION)
+
+    # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    out_base = out_ptr + b * stride_ob + h * stride_oh
-    tl.store(out_base + rows[:, None] * stride_om + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_in[:, None] & d_ok[None, :])
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (offs_d < HEAD_DIM)[None, :])
     # natural-log lse of the scaled scores; +inf marks a row with no visible key
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) / 1.4426950408889634,
-                   float("inf"))
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, lse, mask=row_in)
+    # (the scores left out the same-segment term e_same: a per-row constant, added back here)
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0)) + e_same) / LOG2E, float("inf"))
+    tl.store(LSE + pid_bh.to(tl.int64) * M + src_row, lse, mask=rows < M)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,274 +311,346 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K, dropout_p, scale,
+def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
                DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """From a recomputed score tile: the (dropped) probabilities that multiplied V, and dS."""
-    prob = tl.exp2(s - lse[:, None] * 1.4426950408889634)  # lse = +inf on empty rows -> 0
-    dp = tl.dot(do.to(DOT_DTYPE), tl.trans(v_tile.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+    """From a recomputed score tile (log2 domain): the (dropped) probabilities that multiplied V,
+    and dS = P * (dP - delta) with respect to the natural-log scores, unscaled."""
+    prob = tl.exp2(s - lse2[:, None])  # lse2 = +inf on rows with no visible key -> 0
+    dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, rows, cols, K, dropout_p)
+        keep = _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p)
         prob_d = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     else:
         prob_d = prob
-    ds = prob * (dp - delta[:, None]) * scale
-    return prob_d, ds
+    return prob_d, prob * (dp - delta[:, None])
 
 
 @triton.jit
-def _unskew(ds, p, n0, c0, qlen, BLOCK_N: tl.constexpr):
-    """Inverse of the shift: dsc[i, c] = dS[i, j] for the j with qlen + j - p_i = c0 + c (0 if none
-    in this key tile), a (BLOCK_M, BLOCK_N) tile over k_r rows c0..c0+BLOCK_N."""
-    jj = c0 + tl.arange(0, BLOCK_N)[None, :] - qlen + p[:, None] - n0
-    inside = (jj >= 0) & (jj < BLOCK_N)
-    return tl.where(inside, tl.gather(ds, tl.where(inside, jj, 0), axis=1), 0.0)
+def _unskew_pair(ds, lag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Inverse of the banded skew: dS (BLOCK_M, BLOCK_N) over keys -> its two halves over the
+    window's k_r rows: ``lo[i, c] = dS[i, c - lag_i]``, ``hi[i, c] = dS[i, c + BLOCK_N - lag_i]``
+    (0 where that key is outside the tile)."""
+    flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
+    local = tl.arange(0, BLOCK_M)[:, None]
+    c = tl.arange(0, BLOCK_N)[None, :]
+    j_lo = c - lag[:, None]
+    j_hi = j_lo + BLOCK_N
+    lo_ok = j_lo >= 0
+    hi_ok = j_hi < BLOCK_N
+    lo = tl.gather(flat, tl.reshape(local * BLOCK_N + tl.where(lo_ok, j_lo, 0), [BLOCK_M * BLOCK_N]), axis=0)
+    hi = tl.gather(flat, tl.reshape(local * BLOCK_N + tl.where(hi_ok, j_hi, 0), [BLOCK_M * BLOCK_N]), axis=0)
+    return (tl.where(lo_ok, tl.reshape(lo, [BLOCK_M, BLOCK_N]), 0.0),
+            tl.where(hi_ok, tl.reshape(hi, [BLOCK_M, BLOCK_N]), 0.0))
 
 
 @triton.jit
-def _bwd_query_side(q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qseg_ptr, qrank_ptr,
-                    bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-                    b, h, rows, offs_d, d_ok, M,
-                    stride_qb, stride_qm, stride_qh, stride_dob, stride_dom, stride_doh,
-                    stride_lb, stride_lh, stride_qpb, stride_qpm, stride_qsb, stride_qsm,
-                    stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh,
-                    HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, HAS_QPOS: tl.constexpr):
-    """Everything the backward needs on the query side of a tile."""
-    row_in = rows < M
-    p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank = _query_side(
-        q_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr, b, h, rows,
-        offs_d, d_ok, M, stride_qb, stride_qm, stride_qh, stride_qpb, stride_qpm, stride_qsb, stride_qsm,
-        stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh, HAS_SEG, MASK_MODE, HAS_QPOS)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_in[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows, mask=row_in, other=float("inf"))
-    delta = tl.load(delta_ptr + b * stride_lb + h * stride_lh + rows, mask=row_in, other=0.0)
-    return p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank, do, lse, delta
+def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 N_OUT: tl.constexpr):
+    """dS (BLOCK_M, BLOCK_N) over keys -> (BLOCK_M, N_OUT) over k_r rows c0 .. c0 + N_OUT:
+    ``out[i, c] = dS[i, j]`` for the j with ``qlen + j - p_i = c0 + c`` (0 if none in this tile)."""
+    flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
+    local = tl.arange(0, BLOCK_M)[:, None]
+    jj = c0 + tl.arange(0, N_OUT)[None, :] - qlen + pos[:, None] - n0
+    inside = (jj >= 0) & (jj < BLOCK_N) & row_ok[:, None]
+    got = tl.gather(flat, tl.reshape(local * BLOCK_N + tl.where(inside, jj, 0), [BLOCK_M * N_OUT]), axis=0)
+    return tl.where(inside, tl.reshape(got, [BLOCK_M, N_OUT]), 0.0)
+
+
+@triton.jit
+def _bwd_rows(DO, LSE, DELTA, pid_bh, do_base, stride_dom, src_row, row_ok, e_same, offs_d,
+              M, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """dO rows (DOT_DTYPE), delta and the base-2 lse of a query tile (caller's rows), the lse less
+    the per-row segment term that the recomputed scores leave out."""
+    do = tl.load(do_base + src_row[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
+                 mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(DOT_DTYPE)
+    row_stats = pid_bh.to(tl.int64) * M + src_row
+    lse2 = tl.load(LSE + row_stats, mask=row_ok, other=float("inf")) * LOG2E - e_same
+    delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
+    return do, lse2, delta
+
+
+@triton.jit
+def _dkr_atomic(dkr_base, stride_row, first, R, dsc, q_r, offs_d, ROWS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics; rows outside [0, R) dropped)."""
+    part = tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
+    c_rows = first + tl.arange(0, ROWS)
+    ok = ((c_rows >= 0) & (c_rows < R))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.atomic_add(dkr_base + c_rows[:, None] * stride_row + offs_d[None, :], part, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff):
+    """Row sums of dS over all keys and over the keys of another segment."""
+    seg_k = tl.load(keys_base + cols * KEY_FIELDS + KEY_SEG)
+    g_all += tl.sum(ds, axis=1)
+    g_diff += tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
+    return g_all, g_diff
 
 
 @triton.jit
 def _bwd_kv_kernel(
-    q_ptr, k_ptr, v_ptr, kr_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-    qseg_ptr, kseg_ptr, mask_ptr, qrank_ptr, krank_ptr, qpos_ptr,
+    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
-    stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
-    stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
-    do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
-    dk_ptr, dv_ptr, stride_dkb, stride_dkn, stride_dkh, dkr_ptr, stride_dkrb, stride_dkrr, stride_dkrh,
-    scale,
-    HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
-    HAS_QPOS: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
+    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
+    DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """One key tile: dK and dV over all query tiles; dk_r by fp32 atomics when DKR_ATOMIC."""
+    """One key tile: dK and dV over all query tiles. DK/DV are (B, K, H, D) contiguous."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_base = Q + b * stride_qb + h * stride_qh
+    kr_base = KR + b * stride_rb + h * stride_rh
+    do_base = DO + b * stride_dob + h * stride_doh
+    keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
+    mask_base = MASK + b * stride_mb
+    rows_base = ROWS + b * M * ROW_FIELDS
+    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    kv_mask = (cols < K)[:, None] & d_ok[None, :]
-    k_tile = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn + offs_d[None, :],
-                     mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    v_tile = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + offs_d[None, :],
-                     mask=kv_mask, other=0.0)
-    kr_base = kr_ptr + b * stride_krb + h * stride_krh
-    dkr_base = dkr_ptr + b * stride_dkrb + h * stride_dkrh
     n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for m0 in range(0, M, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank, do, lse, delta = _bwd_query_side(
-            q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr,
-            bias_s_ptr, seg_ptr, b, h, rows, offs_d, d_ok, M, stride_qb, stride_qm, stride_qh,
-            stride_dob, stride_dom, stride_doh, stride_lb, stride_lh, stride_qpb, stride_qpm,
-            stride_qsb, stride_qsm, stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh,
-            HAS_SEG, MASK_MODE, HAS_QPOS)
-        s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
-                    kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
-                    krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
-                    HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
-        prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K, dropout_p,
-                                scale, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
-        dv += tl.dot(tl.trans(prob_d).to(DOT_DTYPE), do.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-        dk += tl.dot(tl.trans(ds).to(DOT_DTYPE), q_w.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-        if DKR_ATOMIC:
-            # dk_r[c] += sum over (i, j) with qlen + j - p_i = c of dS[i, j] (q_i + r_r_bias)
-            c_lo, c_hi = _window(p, row_ok, n0, qlen, R, BLOCK_N)
-            for c0 in range(c_lo, c_hi, BLOCK_N):
-                dsc = _unskew(ds, p, n0, c0, qlen, BLOCK_N)
-                part = tl.dot(tl.trans(dsc).to(DOT_DTYPE), q_r.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-                c_rows = c0 + tl.arange(0, BLOCK_N)
-                tl.atomic_add(dkr_base + c_rows[:, None] * stride_dkrr + offs_d[None, :], part,
-                              mask=(c_rows < R)[:, None] & d_ok[None, :], sem="relaxed")
-    out_off = b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :]
-    tl.store(dk_ptr + out_off, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
+            q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
+        p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+        if BANDED_ONLY:
+            banded = True
+        s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
+        if banded:
+            # one window of 2*BLOCK_N k_r rows anchored at the tile's last position
+            kr = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
+            raw = tl.dot(q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
+        else:
+            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+        s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+        do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, do_base, stride_dom, src_row, row_ok,
+                                    e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
+        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
+                                DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+        dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
+        dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), q_w, input_precision=INPUT_PRECISION)
+    # q_w carries qk_scale = scale * log2(e); dK needs scale alone
+    out_off = (b * N_KEYS * H + h) * HEAD_DIM + cols[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :]
+    kv_ok = (cols < N_KEYS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tl.store(DK + out_off, (dk / LOG2E).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
 def _bwd_q_kernel(
-    q_ptr, k_ptr, v_ptr, kr_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-    qseg_ptr, kseg_ptr, mask_ptr, qrank_ptr, krank_ptr, qpos_ptr,
+    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DQ, DKR, PART,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
-    stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
-    stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
-    do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
-    dq_ptr, stride_dqb, stride_dqm, stride_dqh, part_ptr, n_m_tiles,
-    scale,
-    HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
-    HAS_QPOS: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
+    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, n_m_tiles,
+    SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
+    DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """One query tile: dQ over all key tiles, plus this tile's sums for the bias and seg_embed
-    gradients in ``part (B*H, n_m_tiles, 6, BLOCK_D)``: sum dq_w, sum dq_r, sum g0 q_s, sum g1 q_s,
-    and sum g0, sum g1 (in column 0) where g_s = row sums of dS over keys of segment relation s."""
+    """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
+    (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
+    sums for the bias and seg_embed gradients in PART. Gradients here are with respect to the
+    log2-domain operands; the launcher applies the scale."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
+    b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    kr_base = KR + b * stride_rb + h * stride_rh
+    dkr_base = DKR + b * stride_dkrb + h * HEAD_DIM
+    keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
+    mask_base = MASK + b * stride_mb
+    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank, do, lse, delta = _bwd_query_side(
-        q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr, bias_r_ptr,
-        bias_s_ptr, seg_ptr, b, h, rows, offs_d, d_ok, M, stride_qb, stride_qm, stride_qh,
-        stride_dob, stride_dom, stride_doh, stride_lb, stride_lh, stride_qpb, stride_qpm,
-        stride_qsb, stride_qsm, stride_qrb, stride_qrm, stride_bh, stride_seg, stride_segh,
-        HAS_SEG, MASK_MODE, HAS_QPOS)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
-    kr_base = kr_ptr + b * stride_krb + h * stride_krh
+    d_ok = offs_d < HEAD_DIM
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
+        Q + b * stride_qb + h * stride_qh, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows, offs_d,
+        M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
+    do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh, stride_dom,
+                                src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+    if BANDED_ONLY:
+        banded = True
+    # the content and relative parts of dQ apart: their row sums give dr_w and dr_r
     dq_w = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dq_r = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    g_all = tl.sum(dq_w, axis=1)
-    g_diff = g_all
-    for n0 in range(0, K, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < K)[:, None] & d_ok[None, :]
-        k_tile = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v_tile = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
-                    kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
-                    krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb, stride_mm,
-                    stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
-                    HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
-        prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K, dropout_p,
-                                scale, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
-        dq_w += tl.dot(ds.to(DOT_DTYPE), k_tile, input_precision=INPUT_PRECISION)
-        c_lo, c_hi = _window(p, row_ok, n0, qlen, R, BLOCK_N)
-        for c0 in range(c_lo, c_hi, BLOCK_N):
-            c_rows = c0 + tl.arange(0, BLOCK_N)
-            kr = tl.load(kr_base + c_rows[:, None] * stride_krr + offs_d[None, :],
-                         mask=(c_rows < R)[:, None] & d_ok[None, :], other=0.0)
-            dsc = _unskew(ds, p, n0, c0, qlen, BLOCK_N)
-            dq_r += tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-        if HAS_SEG:
-            k_seg = tl.load(kseg_ptr + b * stride_ksb + cols * stride_ksk, mask=cols < K, other=0)
-            g_all += tl.sum(ds, axis=1)
-            g_diff += tl.sum(tl.where(q_seg[:, None] != k_seg[None, :], ds, 0.0), axis=1)
+    g_all = tl.zeros((BLOCK_M,), tl.float32)
+    g_diff = tl.zeros((BLOCK_M,), tl.float32)
+    dkr_stride_row = H * HEAD_DIM
+    if banded:
+        # carry both the k_r rows and the gradient of the window's lower half to the next key tile
+        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
+        raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        dsc_carry = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for n0 in range(0, N_KEYS, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
+            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
+                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+            dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
+            dsc_lo, dsc_hi = _unskew_pair(ds, lag, BLOCK_M, BLOCK_N)
+            # the lower half's rows are complete now: the previous tile's upper half plus this one's
+            dsc = dsc_lo + dsc_carry
+            dq_r = tl.dot(dsc.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+            if DKR_ATOMIC:
+                _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, q_r, offs_d,
+                            BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+            if SEGMENTS:
+                g_all, g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff)
+            dsc_carry = dsc_hi
+            kr_lo = kr_hi
+            raw_lo = raw_hi
+        # the last window's upper half
+        dq_r = tl.dot(dsc_carry.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+        if DKR_ATOMIC:
+            _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R,
+                        dsc_carry, q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+    else:
+        for n0 in range(0, N_KEYS, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
+                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+            dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
+            c_first = qlen + n0 - p_hi
+            c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
+            for c0 in range(c_first, c_end, 2 * BLOCK_N):
+                kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
+                dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
+                dq_r = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+                if DKR_ATOMIC:
+                    _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
+                                DOT_DTYPE, INPUT_PRECISION)
+            if SEGMENTS:
+                g_all, g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff)
+
+    # dQ = scale * (dS K + dS_shifted K_r + g . seg_embed); sums for the bias gradients
     dq = dq_w + dq_r
-    part_base = part_ptr + (pid_bh * n_m_tiles + pid_m) * 6 * BLOCK_D + offs_d
+    part_base = PART + (pid_bh.to(tl.int64) * n_m_tiles + pid_m) * PART_FIELDS * BLOCK_D + offs_d
     tl.store(part_base, tl.sum(dq_w, axis=0))
     tl.store(part_base + BLOCK_D, tl.sum(dq_r, axis=0))
-    if HAS_SEG:
+    if SEGMENTS:
         g_same = g_all - g_diff
-        seg0 = tl.load(seg_ptr + h * stride_segh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-        seg1 = tl.load(seg_ptr + h * stride_segh + stride_seg + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         dq += g_same[:, None] * seg0[None, :] + g_diff[:, None] * seg1[None, :]
+        # q_s carries qk_scale; the launcher divides these two by log2(e)
         tl.store(part_base + 2 * BLOCK_D, tl.sum(g_same[:, None] * q_s, axis=0))
         tl.store(part_base + 3 * BLOCK_D, tl.sum(g_diff[:, None] * q_s, axis=0))
         first = offs_d == 0
         tl.store(part_base + 4 * BLOCK_D, tl.where(first, tl.sum(g_same, axis=0), 0.0))
         tl.store(part_base + 5 * BLOCK_D, tl.where(first, tl.sum(g_diff, axis=0), 0.0))
-    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=(rows < M)[:, None] & d_ok[None, :])
+    dq_ptrs = DQ + ((b * M + src_row[:, None].to(tl.int64)) * H + h) * HEAD_DIM + offs_d[None, :]
+    # padding rows too (their gradient is 0)
+    tl.store(dq_ptrs, (dq * (qk_scale / LOG2E)).to(DQ.dtype.element_ty), mask=(rows < M)[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _bwd_kr_kernel(
-    q_ptr, k_ptr, v_ptr, kr_ptr, bias_w_ptr, bias_r_ptr, bias_s_ptr, seg_ptr,
-    qseg_ptr, kseg_ptr, mask_ptr, qrank_ptr, krank_ptr, qpos_ptr,
+    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DKR,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_krb, stride_krr, stride_krh, stride_bh, stride_seg, stride_segh,
-    stride_qsb, stride_qsm, stride_ksb, stride_ksk, stride_mb, stride_mm, stride_mk,
-    stride_qrb, stride_qrm, stride_krkb, stride_krk, stride_qpb, stride_qpm,
-    H, M, K, R, D, qlen, mlen, self_rows, qk_scale, seed, dropout_p,
-    do_ptr, stride_dob, stride_dom, stride_doh, lse_ptr, delta_ptr, stride_lb, stride_lh,
-    dkr_ptr, stride_dkrb, stride_dkrr, stride_dkrh, n_batch_per_kr,
-    scale,
-    HAS_SEG: tl.constexpr, MASK_MODE: tl.constexpr, SELF_VISIBLE: tl.constexpr,
-    HAS_QPOS: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
+    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, batch_per_kr,
+    SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """Deterministic dk_r: one tile of k_r rows owns its gradient and recomputes every score tile
-    that reads it (over the batch rows sharing this k_r, and all query tiles)."""
+    """Deterministic dk_r: one tile of BLOCK_N k_r rows owns its gradient and recomputes every
+    score tile that reads it (over the batch rows sharing this k_r, and all query tiles)."""
     pid_c = tl.program_id(0)
     pid_brh = tl.program_id(1)
-    br = pid_brh // H
+    br = (pid_brh // H).to(tl.int64)
     h = pid_brh % H
     c0 = pid_c * BLOCK_N
-    c_rows = c0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
+    d_ok = offs_d < HEAD_DIM
+    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for bi in range(0, n_batch_per_kr):
-        b = br * n_batch_per_kr + bi
-        pid_bh = b * H + h
-        kr_base = kr_ptr + b * stride_krb + h * stride_krh
+    for bi in range(0, batch_per_kr):
+        b = br * batch_per_kr + bi
+        pid_bh = (b * H + h).to(tl.int32)
+        kr_base = KR + b * stride_rb + h * stride_rh
+        keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
         for m0 in range(0, M, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            p, row_ok, q_w, q_r, q_s, e0, e1, q_seg, q_rank, do, lse, delta = _bwd_query_side(
-                q_ptr, do_ptr, lse_ptr, delta_ptr, qpos_ptr, qseg_ptr, qrank_ptr, bias_w_ptr,
-                bias_r_ptr, bias_s_ptr, seg_ptr, b, h, rows, offs_d, d_ok, M, stride_qb, stride_qm,
-                stride_qh, stride_dob, stride_dom, stride_doh, stride_lb, stride_lh, stride_qpb,
-                stride_qpm, stride_qsb, stride_qsm, stride_qrb, stride_qrm, stride_bh, stride_seg,
-                stride_segh, HAS_SEG, MASK_MODE, HAS_QPOS)
+            pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
+                Q + b * stride_qb + h * stride_qh, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows,
+                offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
+            do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh,
+                                        stride_dom, src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
+            p_hi = tl.max(tl.where(row_ok, pos, -1), axis=0)
+            p_lo = tl.min(tl.where(row_ok, pos, qlen), axis=0)
             # keys j whose k_r row qlen + j - p_i falls in [c0, c0 + BLOCK_N)
-            p_hi = tl.max(tl.where(row_ok, p, -1), axis=0)
-            p_lo = tl.min(tl.where(row_ok, p, qlen), axis=0)
             j_lo = tl.maximum(c0 - qlen + p_lo, 0)
-            j_hi = tl.minimum(c0 + BLOCK_N - qlen + p_hi, K)
+            j_hi = tl.minimum(c0 + BLOCK_N - qlen + p_hi, N_KEYS)
             for n0 in range((j_lo // BLOCK_N) * BLOCK_N, j_hi, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                kv_mask = (cols < K)[:, None] & d_ok[None, :]
-                k_tile = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn
-                                 + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-                v_tile = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn
-                                 + offs_d[None, :], mask=kv_mask, other=0.0)
-                s = _scores(q_w, q_r, e0, e1, p, row_ok, q_seg, q_rank, k_tile, n0,
-                            kr_base, stride_krr, kseg_ptr + b * stride_ksb, stride_ksk,
-                            krank_ptr + b * stride_krkb, stride_krk, mask_ptr + b * stride_mb,
-                            stride_mm, stride_mk, rows, offs_d, d_ok, K, R, qlen, mlen, self_rows, qk_scale,
-                            HAS_SEG, MASK_MODE, SELF_VISIBLE, CHECK_R, BLOCK_N, DOT_DTYPE,
-                            INPUT_PRECISION)
-                prob_d, ds = _grad_tile(s, lse, delta, do, v_tile, seed, pid_bh, rows, cols, K,
-                                        dropout_p, scale, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
-                dsc = _unskew(ds, p, n0, c0, qlen, BLOCK_N)
-                acc += tl.dot(tl.trans(dsc).to(DOT_DTYPE), q_r.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
-    tl.store(dkr_ptr + br * stride_dkrb + h * stride_dkrh + c_rows[:, None] * stride_dkrr + offs_d[None, :],
+                k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N,
+                               HEAD_DIM).to(DOT_DTYPE)
+                v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
+                               HEAD_DIM)
+                s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
+                s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb, stride_mm,
+                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
+                                        dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+                dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
+                acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
+    c_rows = c0 + tl.arange(0, BLOCK_N)
+    tl.store(DKR + br * stride_dkrb + h * HEAD_DIM + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
              acc, mask=(c_rows < R)[:, None] & d_ok[None, :])
 
 
-def _configs():
-    shapes = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (128, 32, 4, 3),
-              (64, 32, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2)]
+# --------------------------------------------------------------------------------------------------
+# Autotuning
+# --------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Banded tiles need BLOCK_M <= BLOCK_N. Every config is
+# a wgmma config on sm_90 (BLOCK_M >= 64) that fits shared memory at D <= 128; `python -m bench.sm90`
+# reports registers, spills and instructions per score for each (bench/NOTES.md has the numbers).
+CONFIGS = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3))
+# Tiles under the CPU interpreter (small shapes, fast to interpret).
+INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+# The deterministic dk_r kernel runs at one config (its grid is over k_r tiles).
+DETERMINISTIC_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def configs() -> list:
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in shapes]
+            for bm, bn, w, s in CONFIGS]
 
 
-_TUNE_KEY = ["M", "K", "D", "HAS_QPOS", "MASK_MODE", "HAS_SEG", "DROPOUT", "DOT_DTYPE"]
-fwd_kernel_tuned = triton.autotune(_configs(), key=_TUNE_KEY)(_fwd_kernel)
-bwd_kv_kernel_tuned = triton.autotune(_configs(), key=_TUNE_KEY + ["DKR_ATOMIC"],
-                                      reset_to_zero=["dkr_ptr"])(_bwd_kv_kernel)
-bwd_q_kernel_tuned = triton.autotune(_configs(), key=_TUNE_KEY, reset_to_zero=["part_ptr"])(_bwd_q_kernel)
+TUNE_KEY = ["M", "N_KEYS", "HEAD_DIM", "BANDED_ONLY", "MASKING", "SEGMENTS", "DROPOUT", "DOT_DTYPE"]
+fwd_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_fwd_kernel)
+bwd_kv_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_bwd_kv_kernel)
+bwd_q_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY + ["DKR_ATOMIC"],
+                                     reset_to_zero=["DKR", "PART"])(_bwd_q_kernel)

@@ -253,6 +253,10 @@ def _base():
     (lambda t, kw: kw.update(dropout_p=1.0), ValueError, "dropout_p"),
     (lambda t, kw: kw.update(backend="cuda"), ValueError, "backend must be"),
     (lambda t, kw: kw.update(self_visible=1), TypeError, "self_visible"),
+    # regressions (issue 10 item 10): these used to raise from deep inside or be accepted
+    (lambda t, kw: [t.__setitem__(i, t[i][..., :0]) for i in range(6)], ValueError, "head dim"),
+    (lambda t, kw: kw.update(scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda t, kw: kw.update(scale=float("inf")), ValueError, "scale must be finite"),
 ])
 def test_bad_input_raises_naming_the_argument(mutate, exc, match):
     tensors, kw = _base()
@@ -297,3 +301,23 @@ def test_two_stream_equals_two_calls(mask):
     out_h, out_g = xlnet_fast.rel_attention_two_stream(q_h, q_g, *rest, **joint_kw, backend="eager")
     torch.testing.assert_close(out_h, rel_attention(q_h, *rest, **h_kw, backend="eager"))
     torch.testing.assert_close(out_g, rel_attention(q_g, *rest, **g_kw, backend="eager"))
+
+
+def test_attention_probabilities_keeps_an_explicit_zero_scale():
+    # regression: scale=0.0 was replaced by the default 1/sqrt(D) (`or`), so rows were not uniform
+    tensors, kw = _base()
+    probs = xlnet_fast.ops.attention_probabilities(*tensors, scale=0.0)
+    assert torch.allclose(probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
+
+
+def test_q_pos_out_of_range_is_caught_under_torch_compile():
+    # regression: the q_pos < qlen check was skipped under torch.compile (garbage, no error)
+    tensors, kw = _base()
+    kw.update(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def call(*xs):
+        return rel_attention(*xs, **kw)
+
+    with pytest.raises(RuntimeError, match="q_pos"):
+        call(*tensors)

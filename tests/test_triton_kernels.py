@@ -254,3 +254,12 @@ def test_backward_with_non_contiguous_incoming_gradient(reduce):
     for name, a, b in zip(GRAD_NAMES, grads_of(triton_fn, tensors, kw), grads_of(eager_fn, t64, k64)):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < 1e-4, name
+
+
+def test_int64_positions_below_int32_range_are_padding_rows():
+    # regression: q_pos < -2**31 wrapped to a real position in the Triton kernels (eager: padding)
+    q_pos = torch.tensor([[3, -(2**40), 0, 7], [-(2**31) - 5, 1, 2, -1]])
+    tensors, kw = on_device(*make_case(B=2, M=4, qlen=8, H=1, D=16, mlen=2, q_pos=q_pos, dtype=torch.float32))
+    out = triton_fn(*tensors, **kw)
+    assert (out[0, 1] == 0).all() and (out[1, 0] == 0).all()
+    assert rel(out, eager_fn(*tensors, **kw)) < 1e-5

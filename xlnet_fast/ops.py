@@ -206,12 +206,36 @@ def _int_tensor(name, t, shape, device, dtypes=(torch.int32, torch.int64)):
     return t
 
 
+def _check_positions(q_pos: Tensor, qlen: int) -> None:
+    """q_pos values must be < qlen (negative = padding row). A data-dependent check: eagerly a
+    ValueError; under torch.compile (no host sync there) an assertion on the device."""
+    if not q_pos.numel():
+        return
+    if torch.compiler.is_compiling():
+        torch._assert_async(q_pos.max() < qlen, "xlnet_fast: q_pos values must be < qlen")
+    elif int(q_pos.max()) >= qlen:
+        raise ValueError(f"q_pos values must be < qlen = {qlen}, got max {int(q_pos.max())}")
+
+
+def _resolve_scale(scale, D: int) -> float:
+    """The softmax scale: ``1/sqrt(D)`` when None; else a finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
 def _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask,
               q_rank, k_rank, q_pos, qlen, scale, dropout_p) -> tuple[int, float]:
     """Check every argument of ``rel_attention`` (before any launch); returns (qlen, scale)."""
     _check_tensor("q", q, 4)
     device = q.device
     B, M, H, D = q.shape
+    if D < 1:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {tuple(q.shape)}")
     if q.dtype not in _FLOAT_DTYPES + (torch.float64,):
         raise TypeError(f"q must be float32, bfloat16 or float16 (float64 for eager), got {q.dtype}")
     dtypes = (q.dtype,)
@@ -252,8 +276,7 @@ def _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_se
             raise ValueError(f"without q_pos, M = {M} query rows need qlen >= M, got qlen = {qlen}")
     else:
         _int_tensor("q_pos", q_pos, (B, M), device)
-        if not torch.compiler.is_compiling() and q_pos.numel() and int(q_pos.max()) >= qlen:
-            raise ValueError(f"q_pos values must be < qlen = {qlen}, got max {int(q_pos.max())}")
+        _check_positions(q_pos, qlen)
 
     if attn_mask is not None and (q_rank is not None or k_rank is not None):
         raise ValueError("pass either attn_mask or q_rank/k_rank, not both")
@@ -264,10 +287,7 @@ def _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_se
     if q_rank is not None:
         _int_tensor("q_rank", q_rank, (B, M), device, (torch.int32,))
         _int_tensor("k_rank", k_rank, (B, K), device, (torch.int32,))
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    scale = _resolve_scale(scale, D)
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     return qlen, float(scale)
@@ -389,8 +409,9 @@ def attention_probabilities(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs) -> Tenso
     kwargs.pop("backend", None)
     kwargs.pop("dropout_p", None)
     B, M, H, D = q.shape
-    qlen = kwargs.pop("qlen", None) or M
-    scale = kwargs.pop("scale", None) or 1.0 / math.sqrt(D)
+    qlen = kwargs.pop("qlen", None)
+    qlen = M if qlen is None else qlen
+    scale = _resolve_scale(kwargs.pop("scale", None), D)
     a = AttnArgs(kwargs.get("r_s_bias"), kwargs.get("seg_embed"), kwargs.get("q_seg"),
                  kwargs.get("k_seg"), kwargs.get("attn_mask"), kwargs.get("q_rank"),
                  kwargs.get("k_rank"), kwargs.get("q_pos"), qlen,
