@@ -192,7 +192,7 @@ def tok(tmp_path_factory):
 
 
 def test_tokenizer_empty_string(tok):
-    enc = tok("")
+    enc = tok("", return_tensors="pt")
     assert enc["input_ids"].tolist() == [[4, 3]]  # <sep> <cls>
     assert tok.decode([]) == ""
 
@@ -205,7 +205,7 @@ def test_tokenizer_unknown_characters_map_to_unk(tok):
 
 def test_tokenizer_over_long_input(tok):
     long = "alpha beta " * 500
-    enc = tok([long, "gamma"], truncation=True, max_length=32)
+    enc = tok([long, "gamma"], truncation=True, max_length=32, padding=True, return_tensors="pt")
     assert enc["input_ids"].shape == (2, 32)
     assert enc["input_ids"][0, -1] == 3 and enc["attention_mask"][1].sum() < 32
     with pytest.raises(ValueError, match="max_length"):

@@ -25,7 +25,7 @@ def test_trained_model_has_xlnet_special_ids(tok):
 
 
 def test_pair_layout_segments_and_left_padding(tok):
-    enc = tok(["god created", "light was good and the earth"], ["heaven", "day"])
+    enc = tok(["god created", "light was good and the earth"], ["heaven", "day"], padding=True, return_tensors="pt")
     ids, types, att = enc["input_ids"], enc["token_type_ids"], enc["attention_mask"]
     assert ids.shape == types.shape == att.shape and ids.dtype == torch.long
     for row in range(2):
@@ -42,7 +42,8 @@ def test_pair_layout_segments_and_left_padding(tok):
 
 def test_decode_round_trip(tok):
     text = "in the beginning god created heaven and earth"
-    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    assert tok.decode(tok.encode(text)) == text + "<sep><cls>"
 
 
 def test_digit_comma_split(tok):
@@ -59,6 +60,7 @@ def test_save_and_reload(tok, tmp_path):
     tok.save_pretrained(tmp_path)
     again = XLNetTokenizer.from_pretrained(tmp_path)
     assert again.encode("god created light") == tok.encode("god created light")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spiece.model", "tokenizer.json", "tokenizer_config.json"]
 
 
 def test_cli_info(capsys):
