@@ -120,8 +120,21 @@ def _head_table(r_w_bias, r_r_bias, a) -> torch.Tensor:
     return head
 
 
+def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """The kernels address rows within a batch row with int32 offsets (the batch offset is int64):
+    a view whose row stride pushes them past 2**31 (e.g. a seq-first view of a huge batch) is made
+    contiguous first."""
+    if t.shape[1] * t.stride(1) + t.shape[2] * t.stride(2) < 2**31:
+        return t
+    t = t.contiguous()
+    if t.shape[1] * t.stride(1) >= 2**31:
+        raise ValueError(f"{name} has {t.shape[1]} rows of {t.stride(1)} elements: more than 2**31 per batch row")
+    return t
+
+
 def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     """Keyword arguments every kernel takes, by name."""
+    q, k, v, k_r = (_int32_rows(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (k_r, "k_r")))
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
     rows, banded_only = _rows_table(a, B, M, q.device)
@@ -184,6 +197,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         # the kernels read dO rows with a unit last-dim stride; `out.sum().backward()` hands us an
         # expanded (stride 0) gradient, so make such a one contiguous
         dout = dout.contiguous()
+    dout = _int32_rows(dout, "the gradient of out")
     args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
     block_d = args["BLOCK_D"]
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)
