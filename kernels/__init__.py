@@ -225,7 +225,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         _k._bwd_kr_kernel[(triton.cdiv(R, fixed["BLOCK_N"]), Br * H)](
             **det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br, **fixed)
 
-    # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §5)
+    # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §3)
     scale = float(a.scale)
     sums = part.view(B, H, n_m_tiles, int(_k.PART_FIELDS), block_d).sum((0, 2))[..., :D]  # (H, 6, D)
     dr_w, dr_r = sums[:, 0] * scale, sums[:, 1] * scale

@@ -1,7 +1,7 @@
 """Fused XLNet relative attention in Triton: forward and backward (FlashAttention-2 scheme).
 
 Per (query tile, key tile) the score tile is built in registers and never written out
-(docs/DESIGN.md §2 has the math):
+(docs/DESIGN.md §2 and §5):
 
 * content term ``(q + r_w_bias) . k`` — one ``tl.dot``;
 * relative term ``bd[i, j] = (q_i + r_r_bias) . k_r[qlen + j - p_i]`` — the shift is done on the fly.

@@ -25,7 +25,7 @@ def one_hot_targets(positions, batch=B, length=L):
 
 def random_perm_mask(seed=0, batch=B, length=L):
     """Random dense perm_mask; key 0 stays visible so no row is fully blocked (HF averages such
-    rows uniformly, we return zeros, DESIGN.md §2)."""
+    rows uniformly, we return zeros, docs/DESIGN.md §2)."""
     mask = (torch.rand(batch, length, length, generator=torch.Generator().manual_seed(seed)) > 0.5).float()
     mask[:, :, 0] = 0
     return mask

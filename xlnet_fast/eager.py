@@ -158,7 +158,7 @@ def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
 
 
 def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse):
-    """Gradients for q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed (DESIGN.md §2)."""
+    """Gradients for q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed (docs/DESIGN.md §3)."""
     s, _, sv = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     acc = s.dtype
     # lse is +inf on rows with no visible key, so those rows get p = 0 (not NaN)

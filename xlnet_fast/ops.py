@@ -329,7 +329,7 @@ def rel_attention(
     dropout_p: float = 0.0,
     backend: str = "auto",
 ) -> Tensor:
-    """XLNet relative attention (DESIGN.md §2-3). Returns ``(B, M, H, D)`` in q's dtype.
+    """XLNet relative attention (docs/DESIGN.md §2, §4). Returns ``(B, M, H, D)`` in q's dtype.
 
     Shapes: ``q (B, M, H, D)``; ``k, v (B, K, H, D)`` with ``K = mlen + qlen`` (memory first);
     ``k_r (Br, R, H, D)``, ``Br in {1, B}``, ``R >= K + 1``; biases ``(H, D)``; ``seg_embed (2, H, D)``;
