@@ -327,21 +327,16 @@ def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropo
 
 
 @triton.jit
-def _unskew_pair(ds, lag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _unskew_pair(ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Inverse of the banded skew: dS (BLOCK_M, BLOCK_N) over keys -> its two halves over the
-    window's k_r rows: ``lo[i, c] = dS[i, c - lag_i]``, ``hi[i, c] = dS[i, c + BLOCK_N - lag_i]``
-    (0 where that key is outside the tile)."""
-    flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
-    local = tl.arange(0, BLOCK_M)[:, None]
-    c = tl.arange(0, BLOCK_N)[None, :]
-    j_lo = c - lag[:, None]
-    j_hi = j_lo + BLOCK_N
-    lo_ok = j_lo >= 0
-    hi_ok = j_hi < BLOCK_N
-    lo = tl.gather(flat, tl.reshape(local * BLOCK_N + tl.where(lo_ok, j_lo, 0), [BLOCK_M * BLOCK_N]), axis=0)
-    hi = tl.gather(flat, tl.reshape(local * BLOCK_N + tl.where(hi_ok, j_hi, 0), [BLOCK_M * BLOCK_N]), axis=0)
-    return (tl.where(lo_ok, tl.reshape(lo, [BLOCK_M, BLOCK_N]), 0.0),
-            tl.where(hi_ok, tl.reshape(hi, [BLOCK_M, BLOCK_N]), 0.0))
+    window's k_r rows: ``lo[i, c] = dS[i, c - lag_i]``, ``hi[i, c] = dS[i, c + BLOCK_N - lag_i]``,
+    0 where that key is outside the tile. Both read flat column ``BLOCK_N + c - lag_i``
+    (``unskew_idx``) of dS placed beside a zero tile: after it (lo) or before it (hi), so the zeros
+    come from the gather itself and no mask is needed."""
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    lo = tl.gather(tl.reshape(tl.permute(tl.join(zeros, ds), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N]), unskew_idx, axis=0)
+    hi = tl.gather(tl.reshape(tl.permute(tl.join(ds, zeros), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N]), unskew_idx, axis=0)
+    return tl.reshape(lo, [BLOCK_M, BLOCK_N]), tl.reshape(hi, [BLOCK_M, BLOCK_N])
 
 
 @triton.jit
@@ -381,12 +376,11 @@ def _dkr_atomic(dkr_base, stride_row, first, R, dsc, q_r, offs_d, ROWS: tl.const
 
 
 @triton.jit
-def _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff):
-    """Row sums of dS over all keys and over the keys of another segment."""
+def _segment_sums(ds, seg_q, keys_base, cols, g_diff):
+    """Row sums of dS over the keys of another segment. (Over all keys a row of dS sums to 0:
+    sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum is -g_diff.)"""
     seg_k = tl.load(keys_base + cols * KEY_FIELDS + KEY_SEG)
-    g_all += tl.sum(ds, axis=1)
-    g_diff += tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
-    return g_all, g_diff
+    return g_diff + tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
 
 
 @triton.jit
@@ -488,7 +482,6 @@ def _bwd_q_kernel(
     # the content and relative parts of dQ apart: their row sums give dr_w and dr_r
     dq_w = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dq_r = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    g_all = tl.zeros((BLOCK_M,), tl.float32)
     g_diff = tl.zeros((BLOCK_M,), tl.float32)
     dkr_stride_row = H * HEAD_DIM
     if banded:
@@ -496,6 +489,8 @@ def _bwd_q_kernel(
         kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
         raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         dsc_carry = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + BLOCK_N
+                                + tl.arange(0, BLOCK_N)[None, :] - lag[:, None], [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
@@ -509,7 +504,7 @@ def _bwd_q_kernel(
             prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
                                     dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
             dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
-            dsc_lo, dsc_hi = _unskew_pair(ds, lag, BLOCK_M, BLOCK_N)
+            dsc_lo, dsc_hi = _unskew_pair(ds, unskew_idx, BLOCK_M, BLOCK_N)
             # the lower half's rows are complete now: the previous tile's upper half plus this one's
             dsc = dsc_lo + dsc_carry
             dq_r = tl.dot(dsc.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
@@ -517,7 +512,7 @@ def _bwd_q_kernel(
                 _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, q_r, offs_d,
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             if SEGMENTS:
-                g_all, g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff)
+                g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_diff)
             dsc_carry = dsc_hi
             kr_lo = kr_hi
             raw_lo = raw_hi
@@ -549,7 +544,7 @@ def _bwd_q_kernel(
                     _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
                                 DOT_DTYPE, INPUT_PRECISION)
             if SEGMENTS:
-                g_all, g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_all, g_diff)
+                g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_diff)
 
     # dQ = scale * (dS K + dS_shifted K_r + g . seg_embed); sums for the bias gradients
     dq = dq_w + dq_r
@@ -557,7 +552,7 @@ def _bwd_q_kernel(
     tl.store(part_base, tl.sum(dq_w, axis=0))
     tl.store(part_base + BLOCK_D, tl.sum(dq_r, axis=0))
     if SEGMENTS:
-        g_same = g_all - g_diff
+        g_same = -g_diff
         seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         dq += g_same[:, None] * seg0[None, :] + g_diff[:, None] * seg1[None, :]
