@@ -485,9 +485,9 @@ def _bwd_q_kernel(
     g_diff = tl.zeros((BLOCK_M,), tl.float32)
     dkr_stride_row = H * HEAD_DIM
     if banded:
-        # carry both the k_r rows and the gradient of the window's lower half to the next key tile
+        # the scores take a fresh 2*BLOCK_N window per key tile (carrying its product as the forward
+        # does costs more registers than the extra dot); the k_r rows and dS of the lower half carry
         kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
-        raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         dsc_carry = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + BLOCK_N
                                 + tl.arange(0, BLOCK_N)[None, :] - lag[:, None], [BLOCK_M * BLOCK_N])
@@ -496,8 +496,9 @@ def _bwd_q_kernel(
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
             s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
-            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            kr_win = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
+            raw = tl.dot(q_r, tl.trans(kr_win.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            s += _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
@@ -515,7 +516,6 @@ def _bwd_q_kernel(
                 g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_diff)
             dsc_carry = dsc_hi
             kr_lo = kr_hi
-            raw_lo = raw_hi
         # the last window's upper half
         dq_r = tl.dot(dsc_carry.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
