@@ -20,6 +20,8 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# every kernel has a config that fits Hopper's shared memory up to this head dim (bench.sm90)
+MAX_HEAD_DIM = 128
 # Philox seeds are 31-bit in the kernels
 SEED_MODULUS = 2**31 - 1
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -44,8 +46,9 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_r: torc
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton backend supports {[str(d) for d in SUPPORTED_DTYPES]}, got q.dtype={q.dtype}")
     D = q.shape[-1]
-    if D > 256:
-        raise ValueError(f"the Triton backend supports head dims up to 256, got D={D}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton backend supports head dims up to {MAX_HEAD_DIM}, got D={D} "
+                         "(its backward needs more shared memory than a Hopper SM has beyond that)")
 
 
 def _dot_dtype(dtype: torch.dtype):

@@ -5,6 +5,7 @@ but span several 16-wide tiles with odd sizes.
 """
 
 import os
+import unittest.mock
 
 import pytest
 import torch
@@ -275,3 +276,13 @@ def test_fp16_inputs_near_the_fp16_range_stay_finite():
     ref = eager_fn(*tensors, **kw)
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     assert rel(out, ref) < 1e-2
+
+
+def test_head_dims_past_the_kernels_limit():
+    # forced triton raises before any launch; "auto" (had it picked triton) runs them eagerly
+    tensors, kw = on_device(*make_case(B=1, M=4, H=1, D=160, mlen=1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="head dims up to 128"):
+        triton_fn(*tensors, **kw)
+    with unittest.mock.patch.object(xlnet_fast.ops, "resolve_backend", lambda backend, device: "triton"):
+        out = rel_attention(*tensors, **kw, backend="auto")
+    assert rel(out, eager_fn(*tensors, **kw)) < 1e-6

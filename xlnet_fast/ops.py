@@ -299,7 +299,12 @@ def _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, a
     if resolved == "triton":
         from . import kernels
 
-        kernels.check_supported(q, k, v, k_r)
+        try:
+            kernels.check_supported(q, k, v, k_r)
+        except ValueError:
+            if backend == "triton":  # forced: never fall back
+                raise
+            resolved = "eager"  # "auto": shapes/dtypes the kernels do not handle run eagerly
     seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
     out, _ = torch.ops.xlnet_fast.rel_attention(
         q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
