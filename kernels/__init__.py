@@ -72,10 +72,11 @@ def _block_d(D: int) -> int:
 
 
 def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
-    """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key, -1 = padding),
-    segment id, rank and the caller's row; rows ordered by position (content row before the
-    target rows at the same position) so that tiles are banded. Also whether every tile is
-    banded by construction (the content stream: row i at position i)."""
+    """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment id,
+    rank and the caller's row; rows ordered by position (a content row before the target rows at
+    its position, padding rows last, repeating the last real position, with rank INT32_MIN) so
+    that tiles are banded. Also whether every tile is banded by construction (the content
+    stream: row i at position i)."""
     rows = torch.zeros((B, M, int(_k.ROW_FIELDS)), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
     own = (caller < a.self_rows).long()
@@ -84,18 +85,18 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     else:
         # q_pos below zero (any int64) is a padding row: clamp before narrowing to int32
         pos = a.q_pos.long().clamp(min=-1)
-        # sort key: position, then content rows before target rows; padding rows last
         key = torch.where(pos >= 0, pos * 2 + (1 - own), torch.full_like(pos, 2 * a.qlen + 2))
         order = torch.sort(key, dim=1, stable=True).indices
     take = lambda t: t.gather(1, order) if a.q_pos is not None else t  # noqa: E731
-    p_sorted = take(pos)
-    rows[..., int(_k.ROW_CODE)] = torch.where(p_sorted >= 0, p_sorted * 2 + take(own), -1).to(torch.int32)
+    p_sorted, own_sorted = take(pos), take(own)
+    real = p_sorted >= 0
+    last_real = p_sorted.cummax(dim=1).values.clamp(min=0)
+    rows[..., int(_k.ROW_CODE)] = torch.where(real, p_sorted * 2 + own_sorted, last_real * 2).to(torch.int32)
     if a.q_seg is not None:
         rows[..., int(_k.ROW_SEG)] = take(a.q_seg.long()).to(torch.int32)
-    # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1);
-    # padding rows see nothing
+    # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
-    rows[..., int(_k.ROW_RANK)] = torch.where(p_sorted >= 0, rank, _INT32_MIN).to(torch.int32)
+    rows[..., int(_k.ROW_RANK)] = torch.where(real, rank, _INT32_MIN).to(torch.int32)
     rows[..., int(_k.ROW_SRC)] = order.to(torch.int32)
     return rows, a.q_pos is None
 

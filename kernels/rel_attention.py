@@ -44,8 +44,10 @@ INT32_MIN = tl.constexpr(-(2**31))
 MASK_NONE = tl.constexpr(0)
 MASK_DENSE = tl.constexpr(1)
 MASK_RANKS = tl.constexpr(2)
-# Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS) the launcher builds:
-#   code = 2 * position + sees_own_key, or -1 for a padding row; segment id; rank; the caller's row.
+# Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS) the launcher builds, rows sorted by
+# position with padding rows last: code = 2 * position + sees_own_key (a padding row repeats the
+# last real position, so a tile's first and last rows give its position range); segment id; rank
+# (INT32_MIN for a padding row); the caller's row.
 ROW_FIELDS = tl.constexpr(4)
 ROW_CODE = tl.constexpr(0)
 ROW_SEG = tl.constexpr(1)
@@ -74,19 +76,21 @@ DROPOUT_STREAM_STRIDE = tl.constexpr(1000003)
 @triton.jit
 def _query_side(q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale,
                 HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Everything a query tile needs: positions (padding rows: -1), segment ids, ranks (padding
-    rows: INT32_MIN, they see nothing), the key column each row also sees (its own key, or -1), the
+    """Everything a query tile needs: positions (a padding row repeats the last real position),
+    segment ids, ranks (padding rows: INT32_MIN, they see nothing), whether the row is real, the key
+    column each row also sees (its own key, or -1), the
     caller's row of each tile row, the query operands with their bias and ``qk_scale`` folded in
     (``q_w``, ``q_r`` in DOT_DTYPE, ``q_s`` fp32) and the per-row segment scores for same-segment
     keys and the difference for different-segment keys."""
     row_in = rows < M
     meta = rows_base + rows * ROW_FIELDS
-    code = tl.load(meta + ROW_CODE, mask=row_in, other=-1)
+    code = tl.load(meta + ROW_CODE, mask=row_in, other=0)
     src_row = tl.load(meta + ROW_SRC, mask=row_in, other=0)
     rank_q = tl.load(meta + ROW_RANK, mask=row_in, other=INT32_MIN)
-    row_ok = code >= 0
-    pos = tl.where(row_ok, code >> 1, -1)
-    own_col = tl.where(row_ok & ((code & 1) == 1), N_KEYS - qlen + pos, -1)
+    # padding rows (rank INT32_MIN: they see nothing) read no query data
+    row_ok = row_in & (rank_q != INT32_MIN)
+    pos = code >> 1
+    own_col = tl.where((code & 1) == 1, N_KEYS - qlen + pos, -1)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(q_base + src_row[:, None] * stride_qm + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -116,14 +120,16 @@ def _padded_keys(N_KEYS):
 
 
 @triton.jit
-def _band(pos, row_ok, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile's last position ``p_hi``, whether it is banded (its positions span < BLOCK_M values),
-    and the loop-invariant flat gather index of a banded tile: row i, key column jj reads window
-    column ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window."""
-    p_hi = tl.max(tl.where(row_ok, pos, -1), axis=0)
-    p_lo = tl.min(tl.where(row_ok, pos, INT32_MAX), axis=0)
-    banded = (p_hi - p_lo < BLOCK_M) | (p_hi < 0)
-    lag = tl.where(row_ok, p_hi - pos, 0)
+def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's first and last positions (rows are sorted by position and padding rows repeat the
+    last real position, so two scalar loads), whether the tile is banded (its positions span
+    < BLOCK_M values), and the loop-invariant flat gather index of a banded tile: row i, key
+    column jj reads window column ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window."""
+    p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> 1
+    p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> 1
+    banded = p_hi - p_lo < BLOCK_M
+    # rows past M (masked) may have any position: keep their index in range
+    lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_M - 1)
     local = tl.arange(0, BLOCK_M)
     flat_idx = local[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :] + lag[:, None]
     return p_hi, p_lo, banded, lag, flat_idx
@@ -250,7 +256,7 @@ def _fwd_kernel(
     pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
         q_base, stride_qm, ROWS + b * M * ROW_FIELDS, HEAD + h * HEAD_FIELDS * HEAD_DIM, rows, offs_d,
         M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:  # every tile is banded: compile the banded path alone
         banded = True
 
@@ -416,7 +422,7 @@ def _bwd_kv_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
             q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-        p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+        p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, m0, M, BLOCK_M, BLOCK_N)
         if BANDED_ONLY:
             banded = True
         s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
@@ -476,7 +482,7 @@ def _bwd_q_kernel(
         M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
     do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh, stride_dom,
                                 src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, row_ok, BLOCK_M, BLOCK_N)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:
         banded = True
     # the content and relative parts of dQ apart: their row sums give dr_w and dr_r
