@@ -477,8 +477,9 @@ def _bwd_q_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_base = Q + b * stride_qb + h * stride_qh
     pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
-        Q + b * stride_qb + h * stride_qh, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows, offs_d,
+        q_base, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows, offs_d,
         M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
     do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh, stride_dom,
                                 src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
@@ -562,9 +563,15 @@ def _bwd_q_kernel(
         seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         dq += g_same[:, None] * seg0[None, :] + g_diff[:, None] * seg1[None, :]
-        # q_s carries qk_scale; the launcher divides these two by log2(e)
-        tl.store(part_base + 2 * BLOCK_D, tl.sum(g_same[:, None] * q_s, axis=0))
-        tl.store(part_base + 3 * BLOCK_D, tl.sum(g_diff[:, None] * q_s, axis=0))
+        # sum_i g_s(i) q_s(i) for s = same, different (g_same = -g_diff). q_s is not kept through the
+        # key loop (a BLOCK_M x D fp32 tile of registers): the query rows are read again. It carries
+        # qk_scale; the launcher divides by log2(e).
+        q = tl.load(q_base + src_row[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        r_s = tl.load(head_base + 2 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        diff_sum = tl.sum(g_diff[:, None] * ((q + r_s[None, :]) * qk_scale), axis=0)
+        tl.store(part_base + 2 * BLOCK_D, -diff_sum)
+        tl.store(part_base + 3 * BLOCK_D, diff_sum)
         first = offs_d == 0
         tl.store(part_base + 4 * BLOCK_D, tl.where(first, tl.sum(g_same, axis=0), 0.0))
         tl.store(part_base + 5 * BLOCK_D, tl.where(first, tl.sum(g_diff, axis=0), 0.0))
@@ -636,10 +643,11 @@ def _bwd_kr_kernel(
 # --------------------------------------------------------------------------------------------------
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). Banded tiles need BLOCK_M <= BLOCK_N. Every config is
-# a wgmma config on sm_90 (BLOCK_M >= 64); at D = 128 only the single-stage 64x64 one fits the
-# backward kernels in shared memory. `python -m bench.sm90` reports registers, spills, shared
+# a wgmma config on sm_90 (BLOCK_M >= 64). At D = 64 each kernel has one that does not spill:
+# forward 128x64 w8 s2, dK/dV 128x64 w8 s1, dQ 64x64 w8 s2. At D = 128 only the single-stage 64x64
+# one fits the backward kernels in shared memory. `python -m bench.sm90` reports registers, spills, shared
 # memory and instructions per score for each (bench/NOTES.md has the numbers).
-CONFIGS = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 1))
+CONFIGS = ((128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1))
 # Tiles under the CPU interpreter (small shapes, fast to interpret).
 INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # The deterministic dk_r kernel runs at one config (its grid is over k_r tiles).
