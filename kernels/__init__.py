@@ -75,8 +75,8 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment id,
     rank and the caller's row; rows ordered by position (a content row before the target rows at
     its position, padding rows last, repeating the last real position, with rank INT32_MIN) so
-    that tiles are banded. Also whether every tile is banded by construction (the content
-    stream: row i at position i)."""
+    that tiles are banded. Also whether every tile is banded by construction: the content stream
+    (row i at position i) and launches whose rows cover every position (two-stream)."""
     rows = torch.zeros((B, M, int(_k.ROW_FIELDS)), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
     own = (caller < a.self_rows).long()
@@ -98,7 +98,7 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
     rows[..., int(_k.ROW_RANK)] = torch.where(real, rank, _INT32_MIN).to(torch.int32)
     rows[..., int(_k.ROW_SRC)] = order.to(torch.int32)
-    return rows, a.q_pos is None
+    return rows, a.q_pos is None or a.rows_cover_qlen
 
 
 def _keys_table(a, B: int, K: int, device) -> torch.Tensor:

@@ -185,7 +185,7 @@ def test_torch_compile_traces_without_graph_breaks():
 def test_library_op_passes_opcheck():
     tensors, kw = make_case(mask="rank", dtype=torch.float32)
     args = tensors + [kw["r_s_bias"], kw["seg_embed"], kw["q_seg"], kw["k_seg"], None,
-                      kw["q_rank"], kw["k_rank"], None, kw["qlen"], 3, 0.5, 0.0, None, "eager"]
+                      kw["q_rank"], kw["k_rank"], None, kw["qlen"], 3, False, 0.5, 0.0, None, "eager"]
     args[0] = args[0].requires_grad_()
     torch.library.opcheck(torch.ops.xlnet_fast.rel_attention.default, args)
 

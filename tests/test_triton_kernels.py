@@ -286,3 +286,27 @@ def test_head_dims_past_the_kernels_limit():
     with unittest.mock.patch.object(xlnet_fast.ops, "resolve_backend", lambda backend, device: "triton"):
         out = rel_attention(*tensors, **kw, backend="auto")
     assert rel(out, eager_fn(*tensors, **kw)) < 1e-6
+
+
+def test_two_stream_rows_are_banded_for_every_tile_size():
+    # the launcher compiles only the banded path for two-stream launches (rows_cover_qlen): every run
+    # of BLOCK_M position-sorted rows must then span fewer than BLOCK_M positions
+    from xlnet_fast import kernels
+    from xlnet_fast.eager import AttnArgs
+
+    L, P = 40, 12
+    target_pos = torch.randint(-1, L, (2, P), generator=torch.Generator().manual_seed(3))
+    q_pos = torch.cat([torch.arange(L).expand(2, L), target_pos], dim=1)
+    a = AttnArgs(None, None, None, None, None, None, None, q_pos, L, L, 0.125, 0.0, None, rows_cover_qlen=True)
+    rows, banded_only = kernels._rows_table(a, 2, L + P, torch.device("cpu"))
+    assert banded_only
+    pos = rows[..., 0].long() >> 1
+    for block_m in (16, 64, 128):
+        for start in range(0, L + P):
+            window = pos[:, start:start + block_m]
+            assert (window.amax(1) - window.amin(1) < block_m).all()
+    # every caller row appears once, padding rows (rank INT32_MIN) last
+    assert (rows[..., 3].sort(dim=1).values == torch.arange(L + P)).all()
+    padding = (target_pos < 0).sum(1)
+    for b in range(2):
+        assert (rows[b, L + P - int(padding[b]):, 2] == -(2**31)).all()

@@ -33,6 +33,9 @@ class AttnArgs:
     scale: float
     dropout_p: float
     seed: Tensor | None
+    # every position 0..qlen-1 has a row (two-stream launches): the Triton backend may then take
+    # every position-sorted tile as banded (docs/DESIGN.md §5); the eager backend ignores it
+    rows_cover_qlen: bool = False
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -74,9 +74,9 @@ def explain_auto_backend(device: torch.device) -> str:
 
 
 def _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen, self_rows,
-          scale, dropout_p, seed) -> AttnArgs:
+          scale, dropout_p, seed, rows_cover_qlen) -> AttnArgs:
     return AttnArgs(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-                    self_rows, scale, dropout_p, seed)
+                    self_rows, scale, dropout_p, seed, rows_cover_qlen)
 
 
 def _impl(backend: str):
@@ -110,17 +110,17 @@ def _rel_attention_op(
     q: Tensor, k: Tensor, v: Tensor, k_r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     r_s_bias: Optional[Tensor], seg_embed: Optional[Tensor], q_seg: Optional[Tensor],
     k_seg: Optional[Tensor], attn_mask: Optional[Tensor], q_rank: Optional[Tensor],
-    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int, scale: float,
-    dropout_p: float, seed: Optional[Tensor], backend: str,
+    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int,
+    rows_cover_qlen: bool, scale: float, dropout_p: float, seed: Optional[Tensor], backend: str,
 ) -> tuple[Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-              self_rows, scale, dropout_p, seed)
+              self_rows, scale, dropout_p, seed, rows_cover_qlen)
     return _run(backend, "forward", q, k, v, k_r, r_w_bias, r_r_bias, a)
 
 
 @_rel_attention_op.register_fake
 def _(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-      k_rank, q_pos, qlen, self_rows, scale, dropout_p, seed, backend):
+      k_rank, q_pos, qlen, self_rows, rows_cover_qlen, scale, dropout_p, seed, backend):
     B, M, H, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((B, M, H, D)), q.new_empty((B, H, M), dtype=lse_dtype)
@@ -131,18 +131,19 @@ def _rel_attention_backward_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, k_r: Tensor, r_w_bias: Tensor, r_r_bias: Tensor,
     r_s_bias: Optional[Tensor], seg_embed: Optional[Tensor], q_seg: Optional[Tensor],
     k_seg: Optional[Tensor], attn_mask: Optional[Tensor], q_rank: Optional[Tensor],
-    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int, scale: float,
-    dropout_p: float, seed: Optional[Tensor], backend: str, out: Tensor, lse: Tensor,
+    k_rank: Optional[Tensor], q_pos: Optional[Tensor], qlen: int, self_rows: int,
+    rows_cover_qlen: bool, scale: float, dropout_p: float, seed: Optional[Tensor], backend: str,
+    out: Tensor, lse: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     a = _args(r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen,
-              self_rows, scale, dropout_p, seed)
+              self_rows, scale, dropout_p, seed, rows_cover_qlen)
     grads = _run(backend, "backward", dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse)
     return tuple(g.contiguous() for g in grads)
 
 
 @_rel_attention_backward_op.register_fake
 def _(dout, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-      k_rank, q_pos, qlen, self_rows, scale, dropout_p, seed, backend, out, lse):
+      k_rank, q_pos, qlen, self_rows, rows_cover_qlen, scale, dropout_p, seed, backend, out, lse):
     seg_like = seg_embed if seg_embed is not None else r_w_bias.new_empty((2,) + tuple(r_w_bias.shape))
     bias_like = r_s_bias if r_s_bias is not None else r_w_bias
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -151,7 +152,7 @@ def _(dout, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg,
 
 _TENSOR_ARGS = ("q", "k", "v", "k_r", "r_w_bias", "r_r_bias", "r_s_bias", "seg_embed", "q_seg",
                 "k_seg", "attn_mask", "q_rank", "k_rank", "q_pos")
-_CONST_ARGS = ("qlen", "self_rows", "scale", "dropout_p", "seed", "backend")
+_CONST_ARGS = ("qlen", "self_rows", "rows_cover_qlen", "scale", "dropout_p", "seed", "backend")
 
 
 def _setup_context(ctx, inputs, output):
@@ -166,12 +167,12 @@ def _backward(ctx, dout, _dlse):
     *tensors, seed, out, lse = ctx.saved_tensors
     c = ctx.consts
     grads = torch.ops.xlnet_fast.rel_attention_backward(
-        dout, *tensors, c["qlen"], c["self_rows"], c["scale"], c["dropout_p"], seed,
-        c["backend"], out, lse)
+        dout, *tensors, c["qlen"], c["self_rows"], c["rows_cover_qlen"], c["scale"], c["dropout_p"],
+        seed, c["backend"], out, lse)
     dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg = grads
     if not ctx.has_seg:
         dr_s = dseg = None
-    return (dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg) + (None,) * 12
+    return (dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg) + (None,) * 13
 
 
 _rel_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -294,7 +295,7 @@ def _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_se
 
 
 def _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-          k_rank, q_pos, qlen, self_rows, scale, dropout_p, backend) -> Tensor:
+          k_rank, q_pos, qlen, self_rows, scale, dropout_p, backend, rows_cover_qlen=False) -> Tensor:
     resolved = resolve_backend(backend, q.device)
     if resolved == "triton":
         from . import kernels
@@ -308,7 +309,8 @@ def _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, a
     seed = torch.randint(0, 2**62, (), dtype=torch.int64) if dropout_p > 0 else None
     out, _ = torch.ops.xlnet_fast.rel_attention(
         q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask, q_rank,
-        k_rank, q_pos, int(qlen), int(self_rows), float(scale), float(dropout_p), seed, resolved)
+        k_rank, q_pos, int(qlen), int(self_rows), bool(rows_cover_qlen), float(scale), float(dropout_p),
+        seed, resolved)
     return out
 
 
@@ -402,8 +404,9 @@ def rel_attention_two_stream(
         attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
     qlen, scale = _validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg,
                             attn_mask, q_rank, k_rank, q_pos, L, scale, dropout_p)
+    # every position 0..L-1 has a content row: the kernels may take every tile as banded
     out = _call(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_seg, k_seg, attn_mask,
-                q_rank, k_rank, q_pos, qlen, L, scale, dropout_p, backend)
+                q_rank, k_rank, q_pos, qlen, L, scale, dropout_p, backend, rows_cover_qlen=True)
     return out[:, :L], out[:, L:]
 
 
