@@ -1,0 +1,227 @@
+"""Capture the Triton launches of Python launch code and compile them ahead of time for NVIDIA sm_90.
+
+Nothing here knows the kernels: ``capture_launches(run)`` calls ``run()`` (launch code running on
+meta or CPU tensors, with ``TRITON_INTERPRET`` unset) while ``JITFunction.run`` and
+``Autotuner.run`` record instead of launching; an autotuned launch is recorded once per config
+its autotuner may pick (after ``prune_configs``, as ``Autotuner.run`` would benchmark them).
+``compile_launch`` then specialises the recorded arguments the way a real launch does (triton's own
+binder: pointer dtypes, 16-byte alignment of pointers and of integers divisible by 16, integers
+equal to 1 as constexprs) and compiles for ``GPUTarget("cuda", 90, 32)`` with the launch's options.
+
+Registers and spills come from ptxas's ``-v`` log of the very command triton assembles with
+(``make_cubin``: the bundled ptxas on triton 3.6, ptxas-blackwell for sm_90 on 3.9); the SASS with
+source lines from ``nvdisasm -c -gi`` on the cubin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+HOPPER = GPUTarget("cuda", 90, 32)
+# A pointer's 16-byte alignment is what the binder specialises on; real allocations (CUDA's caching
+# allocator) start at multiples of 512 bytes, so a tensor's address is this base plus its offset.
+_ALLOCATION_BASE = 1 << 20
+
+
+@dataclass
+class Launch:
+    """One kernel launch as the launch code issued it (for one autotuner config)."""
+
+    fn: JITFunction
+    args: tuple
+    kwargs: dict  # keyword arguments, the config's included (num_warps, num_stages, ...)
+    grid: object  # a tuple or a callable of the bound arguments, as passed to kernel[grid]
+    phase: str = ""  # label given by the caller of capture_launches (e.g. "forward")
+    autotuned: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__
+
+    def constexprs(self) -> dict:
+        """The constexpr parameters passed by name (flags and tile sizes), with their values."""
+        names = {p.name for p in self.fn.params if p.is_constexpr}
+        return {k: v for k, v in self.kwargs.items() if k in names}
+
+    def grid_for(self, **overrides) -> tuple | None:
+        """The launch grid, optionally with some bound arguments replaced (None if not computable)."""
+        bound = dict(zip([p.name for p in self.fn.params], self.args))
+        bound.update(self.kwargs)
+        bound.update(overrides)
+        try:
+            grid = self.grid(bound) if callable(self.grid) else self.grid
+        except Exception:  # noqa: BLE001 - a grid lambda may need arguments we do not have
+            return None
+        return tuple(int(g) for g in grid)
+
+
+@dataclass
+class Recorder:
+    """Collects the launches made while ``capture_launches`` is active."""
+
+    launches: list = field(default_factory=list)
+    phase: str = ""
+    _config_kwargs: dict | None = None
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """Within the block, Triton launches are recorded in ``recorder.launches`` instead of run."""
+    recorder = Recorder()
+    jit_run, autotuner_run = JITFunction.run, Autotuner.run
+
+    def record_jit(self, *args, grid, warmup, **kwargs):
+        recorder.launches.append(Launch(self, args, dict(kwargs), grid, recorder.phase,
+                                        autotuned=recorder._config_kwargs is not None))
+        return None
+
+    def record_autotuned(self, *args, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            configs = self.prune_configs(kwargs)
+        finally:
+            self.nargs = None
+        for config in configs:
+            recorder._config_kwargs = config.all_kwargs()
+            try:
+                self.fn.run(*args, **kwargs, **recorder._config_kwargs)
+            finally:
+                recorder._config_kwargs = None
+        return None
+
+    JITFunction.run, Autotuner.run = record_jit, record_autotuned
+    try:
+        yield recorder
+    finally:
+        JITFunction.run, Autotuner.run = jit_run, autotuner_run
+
+
+class _PlacedTensor:
+    """What triton's binder sees of a tensor: its dtype and an address with the tensor's alignment."""
+
+    def __init__(self, tensor):
+        self.dtype = tensor.dtype
+        self._address = _ALLOCATION_BASE + tensor.storage_offset() * tensor.element_size()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def _placed(arg):
+    if hasattr(arg, "data_ptr") and hasattr(arg, "storage_offset"):
+        return _PlacedTensor(arg)
+    return arg
+
+
+@dataclass
+class Compiled:
+    """What the compiler produced for one launch."""
+
+    kernel: str
+    regs: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    stack_bytes: int
+    smem_bytes: int
+    sass: str  # nvdisasm -c -gi
+    ptxas_log: str
+
+
+def specialise(launch: Launch):
+    """(signature, constexprs, attrs, options) of the launch as ``JITFunction.run`` computes them."""
+    backend = make_backend(HOPPER)
+    fn = launch.fn
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.7
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    args = tuple(_placed(a) for a in launch.args)
+    kwargs = {k: _placed(v) for k, v in kwargs.items()}
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options
+
+
+def _ptxas_log(ptx: str, options) -> str:
+    """ptxas -v log of triton's own assembly command for this PTX (make_cubin, log dumped)."""
+    backend = make_backend(HOPPER)
+    out = io.StringIO()
+    with knobs.nvidia.scope():
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(out):
+            backend.make_cubin(ptx, {}, options, HOPPER.arch)
+    return out.getvalue()
+
+
+def _log_number(pattern: str, log: str) -> int:
+    found = re.search(pattern, log)
+    return int(found.group(1)) if found else 0
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS with source lines (``nvdisasm -c -gi``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", "-gi", path], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def compile_launch(launch: Launch) -> Compiled:
+    """Compile the launch for sm_90 and read registers, spills, shared memory and SASS."""
+    signature, constexprs, attrs, options = specialise(launch)
+    compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=HOPPER,
+                              options=options.__dict__)
+    log = _ptxas_log(compiled.asm["ptx"], options)
+    if "Used" not in log:
+        raise RuntimeError(f"no ptxas -v report for {launch.name}:\n{log}")
+    return Compiled(
+        kernel=launch.name,
+        regs=_log_number(r"Used (\d+) registers", log),
+        spill_store_bytes=_log_number(r"(\d+) bytes spill stores", log),
+        spill_load_bytes=_log_number(r"(\d+) bytes spill loads", log),
+        stack_bytes=_log_number(r"(\d+) bytes stack frame", log),
+        smem_bytes=int(compiled.metadata.shared),
+        sass=disassemble(compiled.asm["cubin"]),
+        ptxas_log=log,
+    )
+
+
+def compile_key(launch: Launch) -> str:
+    """Two launches with equal keys compile to the same binary."""
+    signature, constexprs, attrs, options = specialise(launch)
+    return repr((launch.fn.cache_key, sorted(signature.items()), sorted(constexprs.items(), key=str),
+                 sorted(attrs.items(), key=str), sorted(options.__dict__.items(), key=str)))
+
+
+def toolchain_problem() -> str | None:
+    """Why sm_90 code cannot be produced here (None when it can)."""
+    try:
+        backend = make_backend(HOPPER)
+        tools = [knobs.nvidia.nvdisasm.path]
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        tools.append(get_ptxas(HOPPER.arch).path)
+    except Exception as exc:  # noqa: BLE001 - any failure means no NVIDIA toolchain
+        return f"triton {triton.__version__} has no usable NVIDIA backend: {type(exc).__name__}: {exc}"
+    missing = [t for t in tools if not (t and os.path.exists(t))]
+    if missing:
+        return f"missing NVIDIA tools: {missing}"
+    del backend
+    return None
