@@ -1,7 +1,10 @@
 """patch_transformers: patched transformers models give the unpatched results without calling HF's
-attention core; from_hf / to_hf; a Liger-style convergence check."""
+attention core; the drop-in surface (signature, argument binding, every input transformers accepts,
+generate, Trainer); from_hf / to_hf; a Liger-style convergence check."""
 
 import copy
+import inspect
+import typing
 
 import pytest
 import torch
@@ -35,6 +38,9 @@ def inputs(two_stream=False):
     else:
         kw["labels"] = ids
     return ids, kw
+
+
+ORIGINAL_CORE = modeling_xlnet.XLNetRelativeAttention.rel_attn_core
 
 
 @pytest.fixture
@@ -207,3 +213,223 @@ def test_convergence_bf16_on_gpu_is_close():
     fast = train(xlnet_fast.patch_transformers(copy.deepcopy(base), backend="triton"))
     assert plain[-1] < plain[0]
     assert ((plain - fast).abs() / plain).max() < 0.02
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-in surface: signature, argument binding, every input transformers accepts
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same_output(ours, ref, path="out"):
+    """Same types and structure as transformers' output, tensors equal to 1e-5."""
+    assert type(ours) is type(ref), f"{path}: {type(ours).__name__} != {type(ref).__name__}"
+    if isinstance(ref, torch.Tensor):
+        assert ours.shape == ref.shape, f"{path}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+        assert rel_err(ours, ref) <= 1e-5, f"{path}: rel err {rel_err(ours, ref)}"
+    elif isinstance(ref, (tuple, list)):
+        assert len(ours) == len(ref), f"{path}: {len(ours)} items != {len(ref)}"
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            assert_same_output(a, b, f"{path}[{i}]")
+    elif isinstance(ref, transformers.utils.ModelOutput):
+        assert list(ours.keys()) == list(ref.keys()), path
+        for key in ref.keys():
+            assert_same_output(ours[key], ref[key], f"{path}.{key}")
+    else:
+        assert ours == ref, path
+
+
+@pytest.fixture
+def class_patched():
+    xlnet_fast.patch_transformers(backend="eager")
+    yield
+    xlnet_fast.unpatch_transformers()
+
+
+def test_class_patch_keeps_transformers_signature(class_patched):
+    patched = modeling_xlnet.XLNetModel.forward
+    xlnet_fast.unpatch_transformers()
+    original = modeling_xlnet.XLNetModel.forward
+    xlnet_fast.patch_transformers(backend="eager")
+    assert patched is not original
+    assert inspect.signature(patched) == inspect.signature(original)
+    assert patched.__wrapped__ is original and patched.__name__ == original.__name__
+    assert typing.get_type_hints(patched) == typing.get_type_hints(original)
+    model = hf_model("XLNetModel")
+    assert model.main_input_name == list(inspect.signature(type(model).forward).parameters)[1]
+
+
+def test_instance_patch_and_unpatch_keep_transformers_signature():
+    model = hf_model("XLNetLMHeadModel")
+    unpatched = inspect.signature(model.transformer.forward)
+    xlnet_fast.patch_transformers(model, backend="eager")
+    assert "forward" in model.transformer.__dict__
+    assert inspect.signature(model.transformer.forward) == unpatched
+    assert list(unpatched.parameters)[:3] == ["input_ids", "attention_mask", "mems"]
+    xlnet_fast.unpatch_transformers(model)
+    assert inspect.signature(model.transformer.forward) == unpatched
+
+
+def backbone_pair(**overrides):
+    ref = hf_model("XLNetModel", **overrides)
+    return ref, xlnet_fast.patch_transformers(copy.deepcopy(ref), backend="eager")
+
+
+def test_positional_arguments_bind_like_transformers():
+    ref, patched = backbone_pair()
+    ids, kw = inputs()
+    # input_ids .. output_hidden_states positionally, return_dict=False as the 12th argument
+    args = (ids, kw["attention_mask"], None, None, None, kw["token_type_ids"], None, None, True, False,
+            True, False)
+    with torch.no_grad():
+        expected, out = ref(*args), patched(*args)
+    assert isinstance(out, tuple)
+    assert_same_output(out, expected)
+    with pytest.raises(TypeError, match="positional"):
+        patched(*args, None)
+    with pytest.raises(TypeError, match="multiple values"):
+        patched(*args, return_dict=True)
+
+
+def _target_mapping(length, positions, batch=B):
+    tm = torch.zeros(batch, len(positions), length)
+    for p, t in enumerate(positions):
+        tm[:, p, t] = 1.0
+    return tm
+
+
+def _fully_blocked_target():
+    """perm_mask hides every key from position 4, a target: transformers averages all keys there."""
+    perm = torch.zeros(B, L, L)
+    perm[:, 4] = 1
+    return dict(perm_mask=perm, target_mapping=_target_mapping(L, [4, 6]))
+
+
+def _padded_target():
+    """A batch row of padding only, with a target: its query row sees no key either."""
+    am = torch.ones(B, L)
+    am[1] = 0
+    return dict(attention_mask=am, target_mapping=_target_mapping(L, [2]), output_attentions=True)
+
+
+ACCEPTED_INPUTS = {  # inputs transformers' XLNetModel takes, some of them only loosely defined
+    "target_mapping_longer_than_input": lambda mems: dict(target_mapping=_target_mapping(L + 1, [L]),
+                                                          output_attentions=True),
+    "target_mapping_shorter_than_input": lambda mems: dict(target_mapping=torch.rand(B, 2, L - 1)),
+    "one_hot_targets_with_attentions_and_hidden_states": lambda mems: dict(
+        target_mapping=_target_mapping(L, [3, 8]), perm_mask=(torch.rand(B, L, L) > 0.6).float(),
+        token_type_ids=(torch.arange(L) >= 5).long().expand(B, L), output_attentions=True,
+        output_hidden_states=True),
+    "general_target_mapping_with_padding_and_mems": lambda mems: dict(
+        target_mapping=torch.rand(B, 3, L), attention_mask=torch.tensor([[0.0] * 2 + [1.0] * (L - 2)] * B),
+        mems=mems, output_attentions=True),
+    "fully_blocked_query_rows": lambda mems: _fully_blocked_target(),
+    "padding_only_row_with_target": lambda mems: _padded_target(),
+    "mems_as_one_stacked_tensor": lambda mems: dict(mems=torch.stack(mems)),
+    "mems_with_an_extra_layer": lambda mems: dict(mems=mems + (mems[0],)),
+    "mems_with_a_missing_layer": lambda mems: dict(mems=[mems[0], None]),
+    "perm_mask_broadcast_over_queries": lambda mems: dict(perm_mask=(torch.rand(B, 1, L) > 0.5).float()),
+    "attention_mask_broadcast_over_keys": lambda mems: dict(attention_mask=torch.ones(B, 1)),
+    "segment_ids_above_one": lambda mems: dict(token_type_ids=torch.tensor([[2] * L, [0, 1, 2] * 3])),
+    "ignored_keywords": lambda mems: dict(head_mask=torch.ones(2, 4), position_ids=torch.arange(L),
+                                          use_cache=False, output_hidden_states=True),
+    "tuple_output_with_mems": lambda mems: dict(mems=mems, use_mems=True, return_dict=False,
+                                                output_attentions=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED_INPUTS))
+def test_inputs_transformers_accepts_give_its_outputs(case):
+    torch.manual_seed(1)
+    ref, patched = backbone_pair()
+    ids, _ = inputs()
+    with torch.no_grad():
+        mems = ref(ids, use_mems=True).mems
+        kw = ACCEPTED_INPUTS[case](mems)
+        expected = ref(ids, **kw)
+        out = patched(ids, **kw)
+    assert_same_output(out, expected)
+
+
+@pytest.mark.parametrize("case", ["fully_blocked_query_rows", "padding_only_row_with_target",
+                                  "one_hot_targets_with_attentions_and_hidden_states"])
+def test_targets_with_blocked_rows_and_attentions_run_on_xlnet_fast(case, no_hf_attention_core):
+    _, patched = backbone_pair()
+    ids, _ = inputs()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        kw = ACCEPTED_INPUTS[case](None)
+        assert torch.isfinite(patched(ids, **kw).last_hidden_state).all()
+
+
+def test_mems_come_back_as_a_tuple_like_transformers(no_hf_attention_core):
+    _, patched = backbone_pair()
+    ids, _ = inputs()
+    with torch.no_grad():
+        out = patched(ids, use_mems=True)
+        again = patched(ids, mems=out.mems, return_dict=False)
+    assert type(out.mems) is tuple and len(out.mems) == SMALL["n_layer"]
+    assert type(again[1]) is tuple
+
+
+def test_extension_arguments_are_not_dropped_on_fallback():
+    """q_rank/k_rank/target_pos reach xlnet_fast through **kwargs; with input it rejects, the error
+    stays (transformers' forward would silently ignore them)."""
+    _, patched = backbone_pair()
+    ids, _ = inputs()
+    with pytest.raises(ValueError, match="target_pos"):
+        patched(ids, target_pos=torch.full((B, 1), L))
+
+
+def test_generate_matches_unpatched(no_hf_attention_core):
+    """generate() feeds XLNet a perm_mask, a one-token target_mapping and sliced mems every step."""
+    ref = hf_model("XLNetLMHeadModel")
+    patched = xlnet_fast.patch_transformers(copy.deepcopy(ref), backend="eager")
+    ids, _ = inputs()
+    settings = dict(max_new_tokens=4, do_sample=False, num_beams=2, output_scores=True,
+                    return_dict_in_generate=True, pad_token_id=5)
+    out = patched.generate(ids, **settings)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modeling_xlnet.XLNetRelativeAttention, "rel_attn_core", ORIGINAL_CORE)
+        expected = ref.generate(ids, **settings)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert_same_output(out.scores, expected.scores)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def _trainer_losses(model, tmp_path, compute_loss_func=None):
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(16):
+        ids = torch.randint(9, SMALL["vocab_size"], (L,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(L, dtype=torch.long),
+                     "labels": torch.tensor(i % 2), "text": f"sample {i}"})  # "text": removed by Trainer
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=4, learning_rate=5e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=7, label_names=["labels"],
+        dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                   compute_loss_func=compute_loss_func)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _pooled_loss(outputs, labels, num_items_in_batch=None):
+    hidden = outputs.last_hidden_state.mean(1)
+    return torch.nn.functional.cross_entropy(hidden[:, :2], labels)
+
+
+@pytest.mark.parametrize("name", ["XLNetModel", "XLNetForSequenceClassification"])
+def test_trainer_fine_tuning_same_loss_curve(name, tmp_path):
+    """transformers' Trainer (unused columns removed by the forward's signature) trains the patched
+    model like the unpatched one."""
+    base = hf_model(name).train()
+    loss_func = _pooled_loss if name == "XLNetModel" else None
+    plain = _trainer_losses(copy.deepcopy(base), tmp_path / "plain", loss_func)
+    fast = _trainer_losses(xlnet_fast.patch_transformers(copy.deepcopy(base), backend="eager"),
+                           tmp_path / "fast", loss_func)
+    assert len(plain) == 5
+    assert plain == pytest.approx(fast, rel=1e-4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 from typing import Any
 
@@ -48,6 +49,18 @@ _DEFAULTS: dict[str, Any] = {
 _ALIASES = {"n_token": "vocab_size", "hidden_size": "d_model", "num_attention_heads": "n_head",
             "num_hidden_layers": "n_layer"}
 _BACKENDS = ("auto", "eager", "triton")
+_LABEL_FIELDS = ("num_labels", "id2label", "label2id")
+logger = logging.getLogger(__name__)
+
+
+def _labels(id2label: dict | None, num_labels: int | None) -> dict[int, str]:
+    """``id2label`` (int keys) if given, else ``LABEL_0..`` for ``num_labels`` (default 2)."""
+    if id2label is None:
+        return {i: f"LABEL_{i}" for i in range(2 if num_labels is None else int(num_labels))}
+    if num_labels is not None and int(num_labels) != len(id2label):
+        logger.warning("num_labels=%s disagrees with id2label (%d labels); id2label is used",
+                       num_labels, len(id2label))
+    return {int(k): v for k, v in id2label.items()}
 
 
 class XLNetConfig:
@@ -70,11 +83,7 @@ class XLNetConfig:
         values = {**copy.deepcopy(_DEFAULTS), **kwargs}
         for name, value in values.items():
             setattr(self, name, value)
-        if id2label is not None:
-            self.id2label = {int(k): v for k, v in id2label.items()}
-        else:
-            n = 2 if num_labels is None else int(num_labels)
-            self.id2label = {i: f"LABEL_{i}" for i in range(n)}
+        self.id2label = _labels(id2label, num_labels)
         if self.d_model % self.n_head != 0:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
         if self.d_head is None:
@@ -85,6 +94,10 @@ class XLNetConfig:
             raise ValueError(f"attn_type must be 'bi' or 'uni', got {self.attn_type!r}")
         if self.attn_backend not in _BACKENDS:
             raise ValueError(f"attn_backend must be one of {_BACKENDS}, got {self.attn_backend!r}")
+
+    def is_field(self, name: str) -> bool:
+        """Whether ``name`` is a field of this config (or an alias of one, or a label field)."""
+        return name in vars(self) or name in _ALIASES or name in _LABEL_FIELDS
 
     # HF-style aliases
     hidden_size = property(lambda self: self.d_model)
@@ -121,6 +134,8 @@ class XLNetConfig:
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **overrides: Any) -> "XLNetConfig":
+        """Read ``directory/config.json``; ``overrides`` replace fields (``num_labels``, ``id2label`` or
+        ``label2id`` replace the saved labels)."""
         path = os.path.join(directory, "config.json")
         try:
             with open(path) as f:
@@ -131,6 +146,12 @@ class XLNetConfig:
             raise ValueError(f"{path} is not valid JSON: {exc}") from None
         if d.get("model_type", "xlnet") != "xlnet":
             raise ValueError(f"{path} describes a {d['model_type']!r} model, not xlnet")
+        overrides = dict(overrides)
+        if "label2id" in overrides and "id2label" not in overrides:
+            overrides["id2label"] = {int(i): label for label, i in overrides["label2id"].items()}
+        if "num_labels" in overrides or "id2label" in overrides:  # relabel, as transformers does
+            d.pop("id2label", None)
+            d.pop("label2id", None)
         d.update(overrides)
         return cls(**d)
 

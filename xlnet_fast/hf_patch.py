@@ -6,11 +6,18 @@ parameters: embeddings, feed-forward blocks (with any adapters on them), layer n
 parameters are shared, not copied, so optimizers, ``.to()``, ``state_dict`` and adapters keep working.
 transformers' attention core and its dense L×L masks are no longer used: masks are built in compact
 form and every attention goes through ``xlnet_fast.rel_attention``.
+
+The patched forward is a drop-in: it has transformers' signature and binds arguments like it, returns
+transformers' output types (``mems`` a tuple), and gives a query-stream row that sees no key
+transformers' uniform average. Input that xlnet_fast's own ``XLNetModel`` rejects but transformers
+accepts (e.g. a ``target_mapping`` over another length than the sequence) runs transformers' forward.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 import types
 from typing import Any
 
@@ -20,9 +27,18 @@ from torch import nn
 from .config import XLNetConfig
 from .modeling import MODEL_CLASSES, XLNetModel, XLNetPreTrainedModel
 
+logger = logging.getLogger(__name__)
+
 _ATTN_PARAMS = ("q", "k", "v", "o", "r", "r_r_bias", "r_s_bias", "r_w_bias", "seg_embed")
-_OUR_FORWARD_ARGS = set(inspect.signature(XLNetModel.forward).parameters) - {"self", "kwargs"}
+# xlnet_fast's own forward arguments; the patched forward takes them through transformers' **kwargs
+_EXTENSION_ARGS = ("q_rank", "k_rank", "target_pos")
+# config fields xlnet_fast reads at call time: taken from transformers' config on every call
+_LIVE_CONFIG_FIELDS = ("vocab_size", "attn_type", "same_length", "bi_data", "clamp_len", "mem_len",
+                       "reuse_len", "use_mems_eval", "use_mems_train", "output_attentions",
+                       "output_hidden_states", "return_dict")
 _ORIGINAL: dict[str, Any] = {}
+_FAST_FORWARDS: dict[Any, Any] = {}
+_fallbacks_logged: set[str] = set()
 
 
 def _hf_xlnet():
@@ -56,6 +72,7 @@ def _shared_backbone(hf_backbone: nn.Module, backend: str) -> XLNetModel:
     leftover = [n for n, p in ours.named_parameters() if p.is_meta]
     if leftover:  # pragma: no cover - a transformers version with other modules
         raise RuntimeError(f"could not share these parameters with transformers: {leftover}")
+    ours.average_blocked_rows = True  # a row that sees no key: transformers' uniform average
     return ours
 
 
@@ -63,24 +80,79 @@ def _sources(hf_backbone: nn.Module) -> tuple:
     return tuple(id(m) for m in hf_backbone.modules()) + tuple(id(p) for p in hf_backbone.parameters())
 
 
-def _fast_forward(self, *args, **kwargs):
-    """Replacement for transformers' ``XLNetModel.forward``."""
-    backend = getattr(self, "_xlnet_fast_backend", _ORIGINAL.get("class_backend", "auto"))
-    src = _sources(self)
-    cached = self.__dict__.get("_xlnet_fast_cache")
+def _backbone_for(hf_backbone: nn.Module) -> XLNetModel:
+    """The (cached) xlnet_fast backbone sharing ``hf_backbone``'s modules, in its mode and config."""
+    backend = getattr(hf_backbone, "_xlnet_fast_backend", _ORIGINAL.get("class_backend", "auto"))
+    src = _sources(hf_backbone)
+    cached = hf_backbone.__dict__.get("_xlnet_fast_cache")
     if cached is None or cached[0] != src or cached[1].config.attn_backend != backend:
-        cached = (src, _shared_backbone(self, backend))
-        self.__dict__["_xlnet_fast_cache"] = cached
+        cached = (src, _shared_backbone(hf_backbone, backend))
+        hf_backbone.__dict__["_xlnet_fast_cache"] = cached
     ours = cached[1]
-    ours.train(self.training)
-    # transformers' forward accepts and ignores unknown keyword arguments; so do we here
-    kwargs = {k: v for k, v in kwargs.items() if k in _OUR_FORWARD_ARGS}
-    kwargs["return_dict"] = kwargs.get("return_dict") if kwargs.get("return_dict") is not None else self.config.return_dict
-    out = ours(*args, **kwargs)
-    if not kwargs["return_dict"]:
+    for name in _LIVE_CONFIG_FIELDS:
+        setattr(ours.config, name, getattr(hf_backbone.config, name))
+    # only the flag forward reads: the shared modules keep their own train/eval state
+    ours.training = hf_backbone.training
+    return ours
+
+
+def _log_fallback(exc: Exception) -> None:
+    message = str(exc)
+    key = message.split(" ", 1)[0]
+    if key not in _fallbacks_logged:
+        _fallbacks_logged.add(key)
+        logger.warning("xlnet_fast does not take this input (%s); transformers' own XLNetModel.forward "
+                       "runs it", message)
+
+
+def _to_transformers_output(out, return_dict: bool):
+    if not return_dict:
         return out
     return _hf_xlnet().XLNetModelOutput(last_hidden_state=out.last_hidden_state, mems=out.mems,
                                         hidden_states=out.hidden_states, attentions=out.attentions)
+
+
+def _fast_forward_for(original):
+    """transformers' XLNetModel ``original`` forward, run by xlnet_fast over the same modules.
+
+    It has ``original``'s signature (``__signature__``, ``__wrapped__``, name and annotations) and binds
+    its arguments the same way. Input xlnet_fast's backbone does not take (its validation rejects it,
+    e.g. a ``target_mapping`` over another length than the sequence) runs ``original`` itself, so
+    whatever transformers computes, the patched model computes.
+    """
+    if original in _FAST_FORWARDS:
+        return _FAST_FORWARDS[original]
+    signature = inspect.signature(original)
+    params = list(signature.parameters.values())
+    self_name = params[0].name
+    var_keyword = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        arguments = dict(signature.bind(self, *args, **kwargs).arguments)
+        del arguments[self_name]
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        extensions = {k: extra[k] for k in _EXTENSION_ARGS if k in extra}
+        ours = _backbone_for(self)
+        try:
+            prepared = ours.prepare_inputs(**arguments, **extensions)
+        except (ValueError, TypeError) as exc:
+            if extensions:  # transformers does not know these: its forward would ignore them
+                raise
+            _log_fallback(exc)
+            return original(self, *args, **kwargs)
+        return _to_transformers_output(ours.forward_prepared(prepared), prepared.return_dict)
+
+    forward.__signature__ = signature
+    forward._xlnet_fast_wraps = original
+    _FAST_FORWARDS[original] = forward
+    return forward
+
+
+def _unpatched_forward(cls) -> Any:
+    """``cls.forward`` as transformers defines it (looking through a class-level patch)."""
+    forward = cls.forward
+    return getattr(forward, "_xlnet_fast_wraps", forward)
 
 
 def patch_transformers(model: nn.Module | None = None, backend: str = "auto"):
@@ -89,15 +161,18 @@ def patch_transformers(model: nn.Module | None = None, backend: str = "auto"):
     With ``model``: patch every transformers ``XLNetModel`` inside it (returns ``model``). Without:
     patch the ``transformers`` ``XLNetModel`` class, so every model, built before or after, uses it
     (returns None). ``backend`` is ``"auto" | "eager" | "triton"``. ``unpatch_transformers`` undoes it.
+    The patched forward has transformers' signature; input xlnet_fast does not take (which its own
+    ``XLNetModel`` rejects) runs transformers' forward, so whatever transformers computes, the patched
+    model computes too.
     """
     if backend not in ("auto", "eager", "triton"):
         raise ValueError(f"backend must be 'auto', 'eager' or 'triton', got {backend!r}")
     hf = _hf_xlnet()
     if model is None:
-        if "class_forward" not in _ORIGINAL:
-            _ORIGINAL["class_forward"] = hf.XLNetModel.forward
+        original = _unpatched_forward(hf.XLNetModel)
+        _ORIGINAL.setdefault("class_forward", original)
         _ORIGINAL["class_backend"] = backend
-        hf.XLNetModel.forward = _fast_forward
+        hf.XLNetModel.forward = _fast_forward_for(original)
         return None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -106,13 +181,12 @@ def patch_transformers(model: nn.Module | None = None, backend: str = "auto"):
         raise ValueError(f"no transformers XLNetModel found inside {type(model).__name__}")
     for m in backbones:
         m._xlnet_fast_backend = backend
-        m.forward = types.MethodType(_fast_forward, m)
+        m.forward = types.MethodType(_fast_forward_for(_unpatched_forward(type(m))), m)
     return model
 
 
 def unpatch_transformers(model: nn.Module | None = None) -> None:
-    """Undo ``patch_transformers``: for ``model``'s backbones, or (None) for the class and every
-    patched instance reachable from ``model`` if given."""
+    """Undo ``patch_transformers``: for ``model``'s backbones, or (None) for the class."""
     hf = _hf_xlnet()
     if model is None:
         if "class_forward" in _ORIGINAL:
