@@ -229,6 +229,20 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, dropout_p,
+            DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):
+    """One key tile of the forward after its scores: online softmax, dropout, acc += P V."""
+    prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+    if DROPOUT:
+        keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
+        prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
+    v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, KR, HEAD, ROWS, KEYS, MASK, OUT, LSE,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -275,13 +289,8 @@ def _fwd_kernel(
             s += _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            if DROPOUT:
-                keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
-                prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
-            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                                input_precision=INPUT_PRECISION)
+            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
+                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
@@ -292,13 +301,8 @@ def _fwd_kernel(
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            if DROPOUT:
-                keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
-                prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
-            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                                input_precision=INPUT_PRECISION)
+            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
+                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
