@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from xlnet_fast import train
+from xlnet_fast.pretrain import loop
+from xlnet_fast.pretrain.run_dir import LOCK_NAME
 from xlnet_fast.cli import main
 
 
@@ -26,7 +27,7 @@ def no_setup(monkeypatch):
         raise AssertionError("model or data set-up started before the error was found")
 
     for name in ("_prepare_tokenizer", "_prepare_batches", "XLNetLMHeadModel"):
-        monkeypatch.setattr(train, name, reached)
+        monkeypatch.setattr(loop, name, reached)
 
 
 def run(tmp_path, corpus, *extra, data=True):
@@ -176,7 +177,7 @@ def test_no_traceback_from_the_command_line(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [f"xlnet-fast: error: data file not found: {tmp_path / 'nope.txt'}"]
-    assert not os.path.exists(tmp_path / "run" / train.LOCK_NAME)
+    assert not os.path.exists(tmp_path / "run" / LOCK_NAME)
 
 
 def test_jsonl_records_still_train(tmp_path, capsys):

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 from xlnet_fast import XLNetLMHeadModel
-from xlnet_fast.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
-from xlnet_fast.tokenizer import CLS_ID, SEP_ID, train_tokenizer
-from xlnet_fast.train import TrainConfig, pretrain
+from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
+from xlnet_fast.pretrain.tokenizer import CLS_ID, SEP_ID, train_tokenizer
+from xlnet_fast.pretrain import TrainConfig, pretrain
 
 WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
          "spirit moved waters said let there be day night evening morning first second firmament").split()
@@ -121,7 +121,7 @@ def test_batch_layout(tok, corpus, tmp_path):
 
 def test_token_cache_is_keyed_by_content(tok, tmp_path):
     """An edit that keeps the size and the modification time is a new corpus, not a cache hit."""
-    from xlnet_fast.data import corpus_fingerprint
+    from xlnet_fast.pretrain.data import corpus_fingerprint
 
     path = tmp_path / "text.txt"
     path.write_text("god created heaven and earth\n")
@@ -222,7 +222,7 @@ def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sha
 
 
 def test_default_corpus_is_the_demo_bible():
-    from xlnet_fast.train import UsageError, default_corpus
+    from xlnet_fast.pretrain import UsageError, default_corpus
 
     try:
         path = default_corpus()

@@ -163,7 +163,7 @@ def test_missing_files_are_named(tmp_path):
 
 
 def test_corrupted_latest_training_checkpoint_falls_back(tmp_path, caplog):
-    from xlnet_fast.train import TrainConfig, load_latest_checkpoint
+    from xlnet_fast.pretrain import TrainConfig, load_latest_checkpoint
 
     cfg = TrainConfig(out=str(tmp_path))
     root = tmp_path / "checkpoints"

@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from xlnet_fast.train import (LOCK_NAME, NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
-                              load_latest_checkpoint, pretrain)
+from xlnet_fast.pretrain import (NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
+                                 load_latest_checkpoint, pretrain)
+from xlnet_fast.pretrain.run_dir import LOCK_NAME
 
 WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
          "spirit moved waters said let there be day night evening morning first second firmament").split()
@@ -221,7 +222,7 @@ def test_lock_is_released_when_the_run_fails(corpus, cache, tmp_path, monkeypatc
     def explode(self):
         raise RuntimeError("injected fault")
 
-    monkeypatch.setattr("xlnet_fast.train._Trainer._train_step", explode)
+    monkeypatch.setattr("xlnet_fast.pretrain.loop.Trainer._train_step", explode)
     with pytest.raises(RuntimeError, match="injected fault"):
         pretrain(cfg(out, corpus, cache))
     assert not (out / LOCK_NAME).exists()

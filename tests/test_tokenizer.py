@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xlnet_fast import XLNetTokenizer, train_tokenizer
-from xlnet_fast.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEG_PAD, SEP_ID, BatchEncoding, precompiled_charsmap
+from xlnet_fast.pretrain.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEG_PAD, SEP_ID, BatchEncoding, precompiled_charsmap
 
 WORDS = "in the beginning god created heaven and earth, light was good . day night".split()
 # Texts for the comparisons: odd spacing, unknown characters, NFKD/NFKC cases (full-width letters,

@@ -9,7 +9,7 @@ import torch
 
 from xlnet_fast import XLNetTokenizer, train_tokenizer
 from xlnet_fast.cli import main
-from xlnet_fast.tokenizer import CLS_ID, PAD_ID, SEP_ID, SPECIAL_TOKENS
+from xlnet_fast.pretrain.tokenizer import CLS_ID, PAD_ID, SEP_ID, SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")

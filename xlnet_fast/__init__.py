@@ -14,7 +14,7 @@ from .modeling import (
 from .hf_patch import from_hf, patch_transformers, to_hf, unpatch_transformers
 from .masks import local_perm
 from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention, rel_attention_two_stream
-from .tokenizer import XLNetTokenizer, train_tokenizer
+from .pretrain.tokenizer import XLNetTokenizer, train_tokenizer
 
 __version__ = "0.1.0"
 

@@ -38,7 +38,7 @@ def _info(args: argparse.Namespace) -> int:
 def _pretrain(args: argparse.Namespace) -> int:
     import logging
 
-    from .train import NonFiniteLossError, TrainConfig, pretrain
+    from .pretrain import NonFiniteLossError, TrainConfig, pretrain
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
@@ -60,8 +60,9 @@ def _pretrain(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from .data import UsageError, check_corpus, iter_lines
-    from .tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from .pretrain.data import check_corpus, iter_lines
+    from .pretrain.errors import UsageError
+    from .pretrain.tokenizer import SPECIAL_TOKENS, train_tokenizer
 
     if args.vocab_size <= len(SPECIAL_TOKENS):
         raise UsageError(f"--vocab-size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {args.vocab_size}")
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a user's mistake is one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
-    from .data import UsageError
+    from .pretrain.errors import UsageError
 
     try:
         return args.func(args)

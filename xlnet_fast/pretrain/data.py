@@ -21,12 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .masks import local_perm
+from ..masks import local_perm
+from .errors import UsageError
 from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, XLNetTokenizer
-
-
-class UsageError(ValueError):
-    """A user's mistake: a bad setting or an unusable input file. The CLI reports it in one line."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,17 @@
+"""Permutation-LM pretraining: tokenizer -> data -> the training loop, with its run directory and checkpoints.
+
+``tokenizer`` (SentencePiece XLNet tokenizer), ``data`` (text -> tokens -> two-stream batches with
+compact masks), ``settings`` (presets, ``TrainConfig``), ``run_dir`` (lock, planning, metrics),
+``checkpoint`` (atomic, sealed, verified checkpoints), ``distributed`` (process-group helpers) and
+``loop`` (``pretrain``).
+"""
+
+from .checkpoint import check_checkpoint, list_checkpoints, load_latest_checkpoint
+from .errors import CheckpointError, NonFiniteLossError, UsageError
+from .loop import pretrain
+from .settings import PRESETS, TrainConfig, default_corpus
+from .tokenizer import XLNetTokenizer, train_tokenizer
+
+__all__ = ["pretrain", "TrainConfig", "PRESETS", "default_corpus", "UsageError", "NonFiniteLossError",
+           "CheckpointError", "check_checkpoint", "list_checkpoints", "load_latest_checkpoint", "XLNetTokenizer",
+           "train_tokenizer"]

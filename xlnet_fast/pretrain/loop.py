@@ -1,0 +1,325 @@
+"""XLNet permutation-LM pretraining: one process, DDP or FSDP2 under ``torchrun``, exact resume.
+
+``pretrain(TrainConfig(...))`` (or ``xlnet-fast pretrain``) plans the run (``run_dir.plan_run``),
+builds the tokenizer, the batches (``data.PretrainBatches``: two streams, the query stream on the
+``num_predict`` targets only) and ``XLNetLMHeadModel``, and trains with mems carried per rank across
+steps. Checkpoints: ``checkpoint.py``. SIGTERM saves a checkpoint at the next step boundary and exits
+0; a non-finite loss, gradient norm or weight stops the run before anything non-finite is saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+
+import torch
+
+from ..config import XLNetConfig
+from ..modeling import XLNetLMHeadModel
+from .checkpoint import hash_file, load_model_weights, restore_training_state, save_checkpoint
+from .data import PretrainBatches, build_token_file, iter_lines
+from .distributed import agree, all_sum, barrier, from_rank0, init_distributed
+from .errors import NonFiniteLossError
+from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
+from .settings import PRESETS, TrainConfig, check_settings, data_config
+from .tokenizer import SPIECE_NAME, XLNetTokenizer, train_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------------
+
+
+def _publish_dir(tmp: str, final: str) -> None:
+    """Rename a freshly written directory into place, unless another process did first."""
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if not os.path.isdir(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> XLNetTokenizer:
+    """The checkpoint's tokenizer on resume, else ``c.tokenizer``, else one trained on the data and
+    cached by the data's content and the vocabulary size. Cached copies keep the model file in place
+    while old checkpoints are rotated away."""
+    if plan.checkpoint is None and c.tokenizer:
+        return XLNetTokenizer.from_pretrained(c.tokenizer)
+    if plan.checkpoint is not None:
+        source = os.path.join(plan.checkpoint, SPIECE_NAME)
+        key = "model-" + hash_file(source)["sha256"][:16]
+    else:
+        source = None
+        key = hashlib.sha256(f"v{c.vocab_size}:{plan.data_digest}".encode()).hexdigest()[:16]
+    d = os.path.join(cache_root(c), "tokenizers", key)
+    path = os.path.join(d, SPIECE_NAME)
+    if rank == 0 and not os.path.exists(path):
+        tmp = d + f".tmp{os.getpid()}"
+        if source is None:
+            train_tokenizer(iter_lines(c.data), c.vocab_size, tmp)
+        else:
+            os.makedirs(tmp, exist_ok=True)
+            shutil.copyfile(source, os.path.join(tmp, SPIECE_NAME))
+        _publish_dir(tmp, d)
+    barrier(world)
+    return XLNetTokenizer(path)
+
+
+def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, rank: int,
+                     world: int) -> PretrainBatches:
+    tok_digest = hash_file(tokenizer.model_file)["sha256"]
+    key = hashlib.sha256(f"{plan.data_digest}:{tok_digest}".encode()).hexdigest()
+    token_path = os.path.join(cache_root(c), "shards", key[:16] + ".bin")
+    if rank == 0:
+        build_token_file(c.data, tokenizer, token_path, fingerprint=key)
+    barrier(world)
+    tokens = build_token_file(c.data, tokenizer, token_path, fingerprint=key)
+    return PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: no weight decay on LayerNorm weights and on biases (1-dim parameters)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_norm = "layer_norm" in name or "LayerNorm" in name
+        (no_decay if p.dim() < 2 or is_norm or name.endswith("bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _lr_lambda(c: TrainConfig):
+    def f(step: int) -> float:
+        if step < c.warmup:
+            return (step + 1) / max(1, c.warmup)
+        progress = min(1.0, (step - c.warmup) / max(1, c.steps - c.warmup))
+        if c.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        return max(0.0, 1.0 - progress)
+    return f
+
+
+def _apply_optimizer_settings(optimizer, scheduler, c: TrainConfig) -> None:
+    """After loading a checkpoint's optimizer and scheduler: this run's lr, schedule, weight decay and
+    eps (the loaded state carries the old ones)."""
+    factor = _lr_lambda(c)(scheduler.last_epoch)
+    scheduler.base_lrs = [c.lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = c.lr
+        group["lr"] = c.lr * factor
+        group["eps"] = c.adam_eps
+    optimizer.param_groups[0]["weight_decay"] = c.weight_decay
+
+
+def _checkpointed(fn):
+    from torch.utils.checkpoint import checkpoint
+
+    def wrapper(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return wrapper
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag checked at step boundaries."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+class Trainer:
+    """One rank's model, optimizer, data and loop for a planned run."""
+
+    def __init__(self, plan: RunPlan, rank: int, world: int, device: torch.device) -> None:
+        c = self.c = plan.config
+        self.plan, self.rank, self.world, self.device = plan, rank, world, device
+        if rank == 0 and plan.notes:
+            logger.warning("resuming %s with changed settings: %s", plan.checkpoint, ", ".join(plan.notes))
+        torch.manual_seed(c.seed + rank)
+        self.tokenizer = _prepare_tokenizer(c, plan, rank, world)
+        self.batches = _prepare_batches(c, plan, self.tokenizer, rank, world)
+        self.raw_model = self._build_model()
+        self.model = self._wrap(self.raw_model)
+        self.optimizer = torch.optim.AdamW(_param_groups(self.raw_model, c.weight_decay), lr=c.lr,
+                                           betas=(0.9, 0.999), eps=c.adam_eps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(c))
+        self.mems = None
+        self.step = plan.start_step
+        self.ckpt_path = plan.checkpoint
+        if plan.checkpoint is not None:
+            self.mems = restore_training_state(plan.checkpoint, self.optimizer, self.scheduler, self.batches,
+                                               rank=rank, fsdp=c.fsdp, device=device if c.mem_len > 0 else None)
+            _apply_optimizer_settings(self.optimizer, self.scheduler, c)
+
+    def _build_model(self) -> XLNetLMHeadModel:
+        c = self.c
+        mcfg = XLNetConfig(vocab_size=self.tokenizer.vocab_size, **PRESETS[c.preset]["model"], dropout=c.dropout,
+                           mem_len=c.mem_len, reuse_len=c.reuse_len, bi_data=c.bi_data,
+                           attn_backend=c.backend, use_mems_train=c.mem_len > 0)
+        torch.manual_seed(c.seed)  # the same initial weights on every rank
+        model = XLNetLMHeadModel(mcfg).to(self.device)
+        torch.manual_seed(c.seed + 1 + self.rank)
+        if self.plan.checkpoint is not None:
+            load_model_weights(model, self.plan.checkpoint)
+        return model
+
+    def _wrap(self, raw_model):
+        c = self.c
+        if c.checkpointing:
+            for layer in raw_model.transformer.layer:
+                layer.forward = _checkpointed(layer.forward)
+        model = raw_model
+        if c.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in raw_model.transformer.layer:
+                fully_shard(layer)
+            fully_shard(raw_model)
+        elif self.world > 1:
+            model = torch.nn.parallel.DistributedDataParallel(
+                raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return torch.compile(model) if c.compile else model
+
+    def _train_step(self) -> tuple[float, float]:
+        """One optimizer step; returns (loss, grad norm). A non-finite one stops the run before the
+        weights change."""
+        c, world, device = self.c, self.world, self.device
+        self.model.train()
+        use_amp = device.type == "cuda"
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(c.grad_accum):
+            batch = {k: v.to(device) for k, v in self.batches.next_batch().items()}
+            n_targets = all_sum((batch["labels"] != -100).sum().float(), world) * c.grad_accum
+            sync = micro == c.grad_accum - 1 or world == 1 or c.fsdp
+            no_sync = not sync and hasattr(self.model, "no_sync")
+            ctx = self.model.no_sync() if no_sync else contextlib.nullcontext()
+            with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                out = self.model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                                 q_rank=batch["q_rank"], k_rank=batch["k_rank"], target_pos=batch["target_pos"],
+                                 mems=self.mems, use_mems=c.mem_len > 0)
+                logits = out.logits.float()
+                # sum over this rank's targets / all ranks' targets; DDP averages gradients over
+                # ranks, so multiply by world: the update equals one process with the whole batch
+                ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       batch["labels"].reshape(-1), reduction="sum")
+                loss = ce * world / n_targets
+                loss.backward()
+            self.mems = [m.detach() for m in out.mems] if out.mems is not None else None
+            loss_sum += loss.detach() / world
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), c.clip))
+        loss_value = float(all_sum(loss_sum, world))
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: the loss is {loss_value} (gradient norm {grad_norm}): training diverged "
+                f"and stopped before the update; the newest checkpoint is {self.ckpt_path or 'none'} "
+                "(lower --lr, or resume from it)")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_value, grad_norm
+
+    def _weights_finite(self) -> bool:
+        bad = any(not torch.isfinite(_local(p.detach())).all() for p in self.raw_model.parameters())
+        return not agree(bad, self.world, self.device)
+
+    def _save(self) -> None:
+        if not self._weights_finite():
+            raise NonFiniteLossError(
+                f"step {self.step}: the weights are no longer finite after the update (too large --lr?); "
+                f"nothing saved, the newest checkpoint is {self.ckpt_path or 'none'}")
+        run_info = {"data": self.c.data, "data_digest": self.plan.data_digest, "world_size": self.world}
+        self.ckpt_path = save_checkpoint(self.c, self.step, self.raw_model, self.optimizer, self.scheduler,
+                                         self.batches, self.mems, self.tokenizer, self.rank, self.world, run_info)
+
+    def _report(self, loss: float, grad_norm: float, tokens_per_s: float) -> None:
+        """A metrics row every ``log_every`` steps (and at the last), the progress bar every step."""
+        c = self.c
+        lr = self.scheduler.get_last_lr()[0]
+        if self.metrics is not None and (self.step % c.log_every == 0 or self.step == c.steps):
+            self.metrics.append({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                 "tokens_per_s": tokens_per_s})
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+
+    def run(self) -> dict:
+        c = self.c
+        self.metrics = MetricsLog(os.path.join(c.out, METRICS_NAME)) if self.rank == 0 else None
+        self.bar = None
+        if self.rank == 0 and c.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=c.steps, initial=self.step, desc="pretrain", dynamic_ncols=True)
+        last_loss, preempted = float("nan"), False
+        tokens_per_step = c.batch_size * self.world * c.seq_len * c.grad_accum
+        try:
+            with _Preemption() as stop:
+                t_last = time.perf_counter()
+                while self.step < c.steps:
+                    last_loss, grad_norm = self._train_step()
+                    self.step += 1
+                    now = time.perf_counter()
+                    self._report(last_loss, grad_norm, tokens_per_step / max(now - t_last, 1e-9))
+                    t_last = now
+                    preempted = agree(stop.requested, self.world, self.device)
+                    if (c.save_every and self.step % c.save_every == 0) or self.step == c.steps or preempted:
+                        self._save()
+                    if preempted:
+                        if self.rank == 0:
+                            logger.warning("SIGTERM: saved %s at step %d, exiting", self.ckpt_path, self.step)
+                        break
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            if self.metrics is not None:
+                self.metrics.close()
+        return {"step": self.step, "loss": last_loss, "checkpoint": self.ckpt_path, "preempted": preempted}
+
+
+def pretrain(cfg: TrainConfig) -> dict:
+    """Run pretraining; returns ``{"step", "loss", "checkpoint", "preempted"}``.
+
+    A bad setting, an unusable data file or run directory raises ``UsageError`` before any model or
+    data set-up; divergence raises ``NonFiniteLossError``."""
+    check_settings(cfg.resolved())  # the given values on their own, before anything else
+    rank, world, device = init_distributed()
+    lock = RunLock(cfg.out) if rank == 0 else None
+    try:
+        plan = from_rank0(lambda: plan_run(cfg, lock, world), rank, world)
+        return Trainer(plan, rank, world, device).run()
+    finally:
+        if lock is not None:
+            lock.release()

