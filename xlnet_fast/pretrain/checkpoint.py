@@ -268,12 +268,16 @@ def read_run_record(path: str) -> dict:
 
 
 
-def load_model_weights(model: torch.nn.Module, path: str) -> None:
-    """The checkpoint's ``model.safetensors`` into ``model`` (transformers' parameter names)."""
+def read_model_state(path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's full model state on the CPU, under transformers' parameter names."""
     from safetensors.torch import load_file
 
-    weights = os.path.join(path, "model.safetensors")
-    model.load_hf_state_dict(load_file(weights), source=weights)
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def load_model_weights(model: torch.nn.Module, path: str) -> None:
+    """A checkpoint's model weights into ``model`` (an ``XLNetPreTrainedModel``)."""
+    model.load_hf_state_dict(read_model_state(path), source=path)
 
 
 def restore_training_state(path: str, optimizer, scheduler, batches, rank: int, fsdp: bool,
