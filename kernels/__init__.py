@@ -1,6 +1,6 @@
 """Fused Triton kernels for XLNet relative attention (installed as ``xlnet_fast.kernels``).
 
-The backend interface used by ``xlnet_fast.ops``: ``available()``, ``check_supported(...)``,
+The backend interface used by ``xlnet_fast.attention``: ``available()``, ``check_supported(...)``,
 ``forward(q, k, v, k_r, r_w_bias, r_r_bias, args) -> (out, lse)`` and
 ``backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, args, out, lse) -> 8 gradients``.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from xlnet_fast.masks import INT32_MAX, INT32_MIN  # absolute: transformers may import this folder as `kernels`
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -24,7 +26,6 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128
 # Philox seeds are 31-bit in the kernels
 SEED_MODULUS = 2**31 - 1
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def available() -> tuple[bool, str]:
@@ -96,7 +97,7 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
         rows[..., int(_k.ROW_SEG)] = take(a.q_seg.long()).to(torch.int32)
     # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
-    rows[..., int(_k.ROW_RANK)] = torch.where(real, rank, _INT32_MIN).to(torch.int32)
+    rows[..., int(_k.ROW_RANK)] = torch.where(real, rank, INT32_MIN).to(torch.int32)
     rows[..., int(_k.ROW_SRC)] = order.to(torch.int32)
     return rows, a.q_pos is None or a.rows_cover_qlen
 
@@ -106,7 +107,7 @@ def _keys_table(a, B: int, K: int, device) -> torch.Tensor:
     keys have rank INT32_MAX (never visible), the real ones -1 when there is no rank mask."""
     padded = triton.cdiv(K, int(_k.KEY_PAD)) * int(_k.KEY_PAD)
     keys = torch.zeros((B, padded, int(_k.KEY_FIELDS)), dtype=torch.int32, device=device)
-    keys[:, K:, int(_k.KEY_RANK)] = _INT32_MAX
+    keys[:, K:, int(_k.KEY_RANK)] = INT32_MAX
     keys[:, :K, int(_k.KEY_RANK)] = a.k_rank if a.k_rank is not None else -1
     if a.k_seg is not None:
         keys[:, :K, int(_k.KEY_SEG)] = a.k_seg.to(torch.int32)

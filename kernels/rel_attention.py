@@ -36,10 +36,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from xlnet_fast import masks
+
 LOG2E_VALUE = 1.4426950408889634
 LOG2E = tl.constexpr(LOG2E_VALUE)
-INT32_MAX = tl.constexpr(2**31 - 1)
-INT32_MIN = tl.constexpr(-(2**31))
+INT32_MAX = tl.constexpr(masks.INT32_MAX)  # rank sentinels: xlnet_fast.masks
+INT32_MIN = tl.constexpr(masks.INT32_MIN)
 # Masking modes (launcher and kernels agree on these).
 MASK_NONE = tl.constexpr(0)
 MASK_DENSE = tl.constexpr(1)

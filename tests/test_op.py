@@ -1,6 +1,9 @@
 """rel_attention (eager backend) against the float64 reference with the literal rel_shift."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -273,7 +276,7 @@ def test_forced_triton_backend_never_falls_back(monkeypatch):
 
 
 def test_auto_backend_is_eager_on_cpu():
-    assert xlnet_fast.ops.resolve_backend("auto", torch.device("cpu")) == "eager"
+    assert xlnet_fast.attention.resolve_backend("auto", torch.device("cpu")) == "eager"
 
 
 @pytest.mark.parametrize("mask", [None, "rank", "dense"])
@@ -306,7 +309,7 @@ def test_two_stream_equals_two_calls(mask):
 def test_attention_probabilities_keeps_an_explicit_zero_scale():
     # regression: scale=0.0 was replaced by the default 1/sqrt(D) (`or`), so rows were not uniform
     tensors, kw = _base()
-    probs = xlnet_fast.ops.attention_probabilities(*tensors, scale=0.0)
+    probs = xlnet_fast.attention.attention_probabilities(*tensors, scale=0.0)
     assert torch.allclose(probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
 
 
@@ -321,3 +324,17 @@ def test_q_pos_out_of_range_is_caught_under_torch_compile():
 
     with pytest.raises(RuntimeError, match="q_pos"):
         call(*tensors)
+
+
+def test_cpu_calls_without_the_interpreter_leave_the_kernels_unimported():
+    # regression: resolving backend="triton" (or "auto") for CPU tensors without TRITON_INTERPRET
+    # imported xlnet_fast.kernels, which Triton then compiled for a GPU; a later interpreted call in
+    # the same process failed with "0 active drivers"
+    code = ("import sys, torch, xlnet_fast\n"
+            "from xlnet_fast.attention import resolve_backend\n"
+            "assert resolve_backend('auto', torch.device('cpu')) == 'eager'\n"
+            "try:\n    resolve_backend('triton', torch.device('cpu'))\nexcept RuntimeError as e:\n"
+            "    assert 'TRITON_INTERPRET' in str(e)\nelse:\n    raise AssertionError('no error')\n"
+            "assert 'xlnet_fast.kernels' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -97,7 +97,7 @@ def test_long_sequence_eager_bf16_is_finite():
 
 
 def test_eager_out_of_memory_points_to_triton(monkeypatch):
-    from xlnet_fast import eager
+    from xlnet_fast.attention import eager
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")

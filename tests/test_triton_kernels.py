@@ -283,7 +283,7 @@ def test_head_dims_past_the_kernels_limit():
     tensors, kw = on_device(*make_case(B=1, M=4, H=1, D=160, mlen=1, dtype=torch.float32))
     with pytest.raises(ValueError, match="head dims up to 128"):
         triton_fn(*tensors, **kw)
-    with unittest.mock.patch.object(xlnet_fast.ops, "resolve_backend", lambda backend, device: "triton"):
+    with unittest.mock.patch.object(xlnet_fast.attention.backends, "resolve_backend", lambda backend, device: "triton"):
         out = rel_attention(*tensors, **kw, backend="auto")
     assert rel(out, eager_fn(*tensors, **kw)) < 1e-6
 
@@ -292,7 +292,7 @@ def test_two_stream_rows_are_banded_for_every_tile_size():
     # the launcher compiles only the banded path for two-stream launches (rows_cover_qlen): every run
     # of BLOCK_M position-sorted rows must then span fewer than BLOCK_M positions
     from xlnet_fast import kernels
-    from xlnet_fast.eager import AttnArgs
+    from xlnet_fast.attention import AttnArgs
 
     L, P = 40, 12
     target_pos = torch.randint(-1, L, (2, P), generator=torch.Generator().manual_seed(3))

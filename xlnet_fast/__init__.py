@@ -1,7 +1,7 @@
 """xlnet_fast: fast XLNet with fused relative attention."""
 
 from .config import XLNetConfig
-from .modeling import (
+from .model import (
     XLNetForMultipleChoice,
     XLNetForQuestionAnswering,
     XLNetForQuestionAnsweringSimple,
@@ -13,7 +13,8 @@ from .modeling import (
 )
 from .hf_patch import from_hf, patch_transformers, to_hf, unpatch_transformers
 from .masks import local_perm
-from .ops import INT32_MAX, INT32_MIN, attention_probabilities, rel_attention, rel_attention_two_stream
+from .attention import attention_probabilities, rel_attention, rel_attention_two_stream
+from .masks import INT32_MAX, INT32_MIN
 from .pretrain.tokenizer import XLNetTokenizer, train_tokenizer
 
 __version__ = "0.1.0"

@@ -7,12 +7,14 @@ import os
 import platform
 import sys
 
+from .attention.backends import BACKENDS
+
 
 def _info(args: argparse.Namespace) -> int:
     import torch
 
     from . import __version__
-    from .ops import explain_auto_backend, triton_status
+    from .attention import explain_auto_backend, triton_status
 
     try:
         import triton
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float)
     p.add_argument("--schedule", choices=["linear", "cosine"])
     p.add_argument("--dropout", type=float)
-    p.add_argument("--backend", choices=["auto", "eager", "triton"])
+    p.add_argument("--backend", choices=BACKENDS)
     p.add_argument("--compile", action="store_true", default=None)
     p.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
     p.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 (fully_shard) under torchrun")

@@ -8,6 +8,8 @@ import logging
 import os
 from typing import Any
 
+from .attention.backends import BACKENDS
+
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000,
     "d_model": 1024,
@@ -55,7 +57,6 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 
 _ALIASES = {"n_token": "vocab_size", "hidden_size": "d_model", "num_attention_heads": "n_head",
             "num_hidden_layers": "n_layer"}
-_BACKENDS = ("auto", "eager", "triton")
 _LABEL_FIELDS = ("num_labels", "id2label", "label2id")
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ class XLNetConfig:
             raise ValueError(f"d_head ({self.d_head}) must equal d_model // n_head ({self.d_model // self.n_head})")
         if self.attn_type not in ("bi", "uni"):
             raise ValueError(f"attn_type must be 'bi' or 'uni', got {self.attn_type!r}")
-        if self.attn_backend not in _BACKENDS:
-            raise ValueError(f"attn_backend must be one of {_BACKENDS}, got {self.attn_backend!r}")
+        if self.attn_backend not in BACKENDS:
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}")
 
     def is_field(self, name: str) -> bool:
         """Whether ``name`` is a field of this config (or an alias of one, or a label field)."""

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import BACKENDS
 from .config import XLNetConfig
-from .modeling import MODEL_CLASSES, XLNetModel, XLNetPreTrainedModel
+from .model import MODEL_CLASSES, XLNetModel, XLNetPreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +166,8 @@ def patch_transformers(model: nn.Module | None = None, backend: str = "auto"):
     ``XLNetModel`` rejects) runs transformers' forward, so whatever transformers computes, the patched
     model computes too.
     """
-    if backend not in ("auto", "eager", "triton"):
-        raise ValueError(f"backend must be 'auto', 'eager' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     hf = _hf_xlnet()
     if model is None:
         original = _unpatched_forward(hf.XLNetModel)

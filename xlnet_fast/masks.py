@@ -1,15 +1,25 @@
-"""Compact (rank) attention masks: O(L) instead of O(L^2).
+"""Every attention mask of the model, compact where possible: O(L) ranks instead of O(L^2) masks.
 
 Key ``j`` is visible to query ``i`` iff ``k_rank[j] < q_rank[i]``, or ``self_visible`` and ``j`` is the
-query's own position. Memory keys carry ``INT32_MIN`` (always visible), padding keys ``INT32_MAX``.
+query's own position (docs/DESIGN.md §2). Memory keys carry ``INT32_MIN`` (always visible), padding
+keys ``INT32_MAX``. ``build_attention_inputs`` turns transformers' arguments (``attention_mask``,
+``perm_mask``, ``target_mapping``, ``token_type_ids``, mems) into the typed ``AttentionInputs`` every
+layer passes to the op: ranks where the inputs allow it (padding, causal ``"uni"``, permutation ranks),
+a dense mask only for a ``perm_mask`` (or ``same_length``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
-from .ops import INT32_MAX, INT32_MIN
+# Rank sentinels: a key of rank INT32_MIN is visible to every query (memory), one of rank INT32_MAX
+# to none (padding); a query row of rank INT32_MIN sees nothing. The kernels use the same values.
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
 
 
 def local_perm(
@@ -52,3 +62,206 @@ def block_padding(k_rank: Tensor, padding: Tensor | None) -> Tensor:
     if padding is None:
         return k_rank
     return torch.where(padding, torch.full_like(k_rank, INT32_MAX), k_rank)
+
+
+
+# --------------------------------------------------------------------------------------------------
+# The typed record the layers receive
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StreamMasks:
+    """One launch's masks and segments, as ``rel_attention``'s keywords (shapes in its docstring)."""
+
+    q_seg: Tensor | None = None
+    k_seg: Tensor | None = None
+    attn_mask: Tensor | None = None
+    q_rank: Tensor | None = None
+    k_rank: Tensor | None = None
+    self_visible: bool = True
+    q_pos: Tensor | None = None
+
+    def op_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class AttentionInputs:
+    """What every layer of one forward passes to the op besides q/k/v/k_r and the weights.
+
+    Three ways to run the query stream: none (``content`` only); on its target rows together with
+    the content stream in one ``rel_attention_two_stream`` launch (``joint``: ``target_pos (B, P)``,
+    ``attn_mask_g (B, P, K)`` with dense masks); or in a launch of its own (``query``), on its target
+    rows (``q_pos``) or, for a general ``target_mapping (B, P, L)``, on all L positions mapped in and
+    out by the layer as transformers does. ``k_r_index (B,)`` picks each row's bi_data position
+    embedding; ``blocked_g (B, P)`` marks query rows that see no key, given transformers' uniform
+    average (``XLNetModel.average_blocked_rows``).
+    """
+
+    qlen: int
+    content: StreamMasks
+    has_segments: bool = False
+    query: StreamMasks | None = None
+    target_pos: Tensor | None = None
+    attn_mask_g: Tensor | None = None
+    target_mapping: Tensor | None = None
+    k_r_index: Tensor | None = None
+    blocked_g: Tensor | None = None
+
+    @property
+    def joint(self) -> bool:
+        return self.target_pos is not None and self.query is None
+
+    @property
+    def has_query_stream(self) -> bool:
+        return self.query is not None or self.joint
+
+
+@dataclass
+class _Visibility:
+    """One forward's masks before they are split by stream: dense ``(B, L, K)`` blocked-key masks
+    (``dense_h`` for the content stream, which sees its own key; ``dense_g`` for the query stream),
+    or ranks ``rank_q (B, L)`` / ``rank_k (B, K)``; all None when every key is visible."""
+
+    dense_h: Tensor | None = None
+    dense_g: Tensor | None = None
+    rank_q: Tensor | None = None
+    rank_k: Tensor | None = None
+
+
+@dataclass
+class MaskSpec:
+    """The arguments of one forward that decide its masks (transformers' names and conventions)."""
+
+    batch: int
+    seq_len: int
+    mlen: int
+    attn_type: str = "bi"  # "uni": causal
+    same_length: bool = False
+    bi_data: bool = False
+    padding: Tensor | None = None  # (B, L) bool, True = padding
+    perm_mask: Tensor | None = None  # (B, L, L), > 0 = blocked
+    target_mapping: Tensor | None = None  # (B, P, L) float
+    token_type_ids: Tensor | None = None  # (B, L) int
+    q_rank: Tensor | None = None  # (B, L) int
+    k_rank: Tensor | None = None  # (B, L) int
+    target_pos: Tensor | None = None  # (B, P) int, negative = padding row
+    separate_query_launch: bool = False  # e.g. to get the query stream's attention probabilities
+    average_blocked_rows: bool = False
+
+
+def _dense_blocked(s: MaskSpec, device) -> Tensor:
+    """(B, L, K) True where the query stream may not look (transformers' ``attn_mask``)."""
+    L, mlen = s.seq_len, s.mlen
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(mlen + L, device=device)[None, :]
+    blocked = torch.zeros(s.batch, L, mlen + L, dtype=torch.bool, device=device)
+    if s.attn_type == "uni":
+        blocked |= j > mlen + i
+        if s.same_length:
+            blocked |= (j < i) & (j < L)
+    if s.padding is not None:
+        blocked[:, :, mlen:] |= s.padding[:, None, :]
+    if s.perm_mask is not None:
+        blocked[:, :, mlen:] |= s.perm_mask > 0
+    return blocked
+
+
+def _visibility(s: MaskSpec, device) -> _Visibility:
+    """Ranks where the inputs allow it (padding, causal "uni", the caller's ranks), a dense mask for a
+    ``perm_mask`` (or ``same_length``)."""
+    B, L = s.batch, s.seq_len
+    uni = s.attn_type == "uni"
+    if s.perm_mask is not None or (uni and s.same_length):
+        blocked = _dense_blocked(s, device)
+        j = torch.arange(s.mlen + L, device=device)[None, :]
+        own = j == s.mlen + torch.arange(L, device=device)[:, None]
+        return _Visibility(dense_h=blocked & ~own, dense_g=blocked)
+    if s.q_rank is not None:
+        rank_q, rank_k = s.q_rank.to(torch.int32), s.k_rank.to(torch.int32)
+    elif uni:  # causal: key j visible to query i iff j <= i
+        ar = torch.arange(L, dtype=torch.int32, device=device).expand(B, L)
+        rank_q, rank_k = ar + 1, ar
+    elif s.padding is not None:
+        rank_q = torch.ones(B, L, dtype=torch.int32, device=device)
+        rank_k = torch.zeros(B, L, dtype=torch.int32, device=device)
+    else:
+        return _Visibility()
+    return _Visibility(rank_q=rank_q, rank_k=with_memory(block_padding(rank_k, s.padding), s.mlen))
+
+
+def one_hot_targets(target_mapping: Tensor) -> Tensor | None:
+    """(B, P) target positions if ``target_mapping`` is one-hot rows (or empty rows, -1) with no
+    position targeted twice; else None."""
+    tm = target_mapping
+    if not bool(((tm == 0) | (tm == 1)).all()):
+        return None
+    rows, cols = tm.sum(-1), tm.sum(-2)
+    if bool((rows > 1).any()) or bool((cols > 1).any()):
+        return None
+    pos = tm.argmax(-1)
+    return torch.where(rows > 0, pos, torch.full_like(pos, -1))
+
+
+def _rows_without_keys(dense_g: Tensor | None, rank_q: Tensor | None, rank_k: Tensor | None) -> Tensor | None:
+    """(B, M) True for the query-stream rows that see no key at all (dense ``(B, M, K)`` blocked mask,
+    or ranks without the own-key exception); None when every row sees some key."""
+    if dense_g is not None:
+        return dense_g.all(-1)
+    if rank_q is not None:
+        return rank_k.min(-1).values[:, None] >= rank_q
+    return None
+
+
+def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec) -> None:
+    """The query stream on its target rows only: in the content stream's launch, or (``separate``)
+    in a launch of its own at ``q_pos = target_pos``."""
+    content = inputs.content
+    rows = target_pos.long().clamp(min=0)
+    dense_g = rank_q = None
+    if vis.dense_g is not None:
+        dense_g = vis.dense_g.gather(1, rows[..., None].expand(-1, -1, vis.dense_g.shape[-1]))
+    elif vis.rank_q is not None:
+        rank_q = vis.rank_q.gather(1, rows)
+    if s.average_blocked_rows:
+        blocked = _rows_without_keys(dense_g, rank_q, vis.rank_k)
+        inputs.blocked_g = None if blocked is None else blocked & (target_pos >= 0)
+    inputs.target_pos = target_pos
+    if not s.separate_query_launch:
+        inputs.attn_mask_g = dense_g
+        return
+    inputs.query = StreamMasks(
+        q_seg=None if content.q_seg is None else content.q_seg.gather(1, rows), k_seg=content.k_seg,
+        attn_mask=dense_g, q_rank=rank_q, k_rank=None if rank_q is None else vis.rank_k,
+        self_visible=rank_q is None, q_pos=target_pos)  # ranks: a target row does not see its own key
+
+
+def _query_on_all_rows(inputs: AttentionInputs, vis: _Visibility, s: MaskSpec) -> None:
+    """A general ``target_mapping``: the query stream runs on all L positions, mapped in and out by
+    the layer, as transformers does."""
+    inputs.target_mapping = s.target_mapping
+    inputs.query = StreamMasks(q_seg=inputs.content.q_seg, k_seg=inputs.content.k_seg, attn_mask=vis.dense_g,
+                               q_rank=vis.rank_q, k_rank=vis.rank_k, self_visible=vis.rank_q is None)
+    if s.average_blocked_rows:
+        inputs.blocked_g = _rows_without_keys(vis.dense_g, vis.rank_q, vis.rank_k)
+
+
+def build_attention_inputs(s: MaskSpec, device) -> AttentionInputs:
+    """The masks and segments of one forward, by stream (see ``AttentionInputs``)."""
+    vis = _visibility(s, device)
+    content = StreamMasks(attn_mask=vis.dense_h, q_rank=vis.rank_q, k_rank=vis.rank_k)
+    if s.token_type_ids is not None:
+        content.q_seg = s.token_type_ids
+        content.k_seg = F.pad(s.token_type_ids, (s.mlen, 0))  # memory keys: segment 0
+    inputs = AttentionInputs(qlen=s.seq_len, content=content, has_segments=s.token_type_ids is not None)
+    if s.bi_data:  # the second half of the rows reads the text backwards: the negated positions
+        inputs.k_r_index = (torch.arange(s.batch, device=device) >= s.batch // 2).long()
+    target_pos = s.target_pos
+    if target_pos is None and s.target_mapping is not None and not s.separate_query_launch:
+        target_pos = one_hot_targets(s.target_mapping)
+    if target_pos is not None:
+        _query_on_targets(inputs, vis, target_pos, s)
+    elif s.target_mapping is not None:
+        _query_on_all_rows(inputs, vis, s)
+    return inputs

@@ -23,7 +23,7 @@ import torch
 
 from ..masks import local_perm
 from .errors import UsageError
-from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, XLNetTokenizer
+from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, SPECIAL_TOKENS, XLNetTokenizer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,7 +327,8 @@ class PretrainBatches:
         self.n_streams = n_streams
         self.row_ids = list(range(rank * rows, (rank + 1) * rows))
         vocab = tokenizer.vocab_size
-        self.is_start = np.array([tokenizer.sp.IdToPiece(i).startswith("\u2581") or i < 9
+        # a span may start at a word start or at a special token
+        self.is_start = np.array([tokenizer.sp.IdToPiece(i).startswith("\u2581") or i < len(SPECIAL_TOKENS)
                                   for i in range(vocab)], dtype=bool)
         self.pos = {r: 0 for r in self.row_ids}
         self.rngs = {r: np.random.default_rng([c.seed, r]) for r in self.row_ids}

@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..config import XLNetConfig
-from ..modeling import XLNetLMHeadModel
+from ..model import XLNetLMHeadModel
 from .checkpoint import hash_file, load_model_weights, restore_training_state, save_checkpoint
 from .data import PretrainBatches, build_token_file, iter_lines
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import MODEL_SIZES
-from ..ops import BACKENDS
+from ..attention import BACKENDS
 from .data import DataConfig
 from .errors import UsageError
 

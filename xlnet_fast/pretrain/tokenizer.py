@@ -353,13 +353,7 @@ class XLNetTokenizer:
         # transformers' PaddingStrategy / TruncationStrategy / TensorType enums stand for their values
         padding, truncation, return_tensors = (getattr(option, "value", option)
                                                for option in (padding, truncation, return_tensors))
-        if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
-                                       or max_length <= 0):
-            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
-        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 0):
-            raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
-        if return_tensors not in (None, "pt", "np"):
-            raise ValueError(f"return_tensors must be None, 'pt' or 'np', got {return_tensors!r}")
+        _check_lengths(max_length, pad_to_multiple_of, return_tensors)
         side = _check_padding_side(padding_side if padding_side is not None else self.padding_side)
         try:
             padding_mode = _PADDING_MODES[padding]
@@ -379,30 +373,14 @@ class XLNetTokenizer:
         if target is not None and pad_to_multiple_of:
             target = math.ceil(target / pad_to_multiple_of) * pad_to_multiple_of
 
-        columns: dict[str, list] = {"input_ids": [], "token_type_ids": [], "attention_mask": []}
-        for ids, types in encoded:
-            n_pad = max(0, target - len(ids)) if target is not None else 0
-            rows = ((ids, PAD_ID, "input_ids"), (types, SEG_PAD, "token_type_ids"),
-                    ([1] * len(ids), 0, "attention_mask"))
-            for values, pad_value, key in rows:
-                pads = [pad_value] * n_pad
-                columns[key].append(pads + values if side == "left" else values + pads)
+        columns = _padded_columns(encoded, target, side)
         if return_token_type_ids is False:
             del columns["token_type_ids"]
         if return_attention_mask is False:
             del columns["attention_mask"]
-
         if return_tensors is None:
             return BatchEncoding({k: (v if is_batch else v[0]) for k, v in columns.items()})
-        lengths = sorted({len(ids) for ids in columns["input_ids"]})
-        if len(lengths) > 1:
-            raise ValueError(f"cannot make a tensor of sequences of different lengths ({lengths[0]} to "
-                             f"{lengths[-1]}): pass padding=True, or padding='max_length' with truncation=True")
-        width = lengths[0] if lengths else 0
-        if return_tensors == "pt":
-            return BatchEncoding({k: torch.tensor(v, dtype=torch.long).reshape(len(v), width)
-                                  for k, v in columns.items()})
-        return BatchEncoding({k: np.array(v, dtype=np.int64).reshape(len(v), width) for k, v in columns.items()})
+        return _as_arrays(columns, return_tensors)
 
     # ---------------------------------------------------------------- decoding
     def decode(self, token_ids: int | Iterable[int] | torch.Tensor | np.ndarray,
@@ -427,6 +405,43 @@ class XLNetTokenizer:
         if isinstance(sequences, (torch.Tensor, np.ndarray)) and sequences.ndim != 2:
             raise TypeError(f"batch_decode takes a 2-d tensor or a list of id lists, got a {sequences.ndim}-d one")
         return [self.decode(ids, skip_special_tokens, clean_up_tokenization_spaces) for ids in sequences]
+
+
+def _check_lengths(max_length, pad_to_multiple_of, return_tensors) -> None:
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)
+                                   or max_length <= 0):
+        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of <= 0):
+        raise ValueError(f"pad_to_multiple_of must be a positive int, got {pad_to_multiple_of!r}")
+    if return_tensors not in (None, "pt", "np"):
+        raise ValueError(f"return_tensors must be None, 'pt' or 'np', got {return_tensors!r}")
+
+
+def _padded_columns(encoded: list[tuple[list[int], list[int]]], target: int | None, side: str) -> dict[str, list]:
+    """``input_ids``, ``token_type_ids`` and ``attention_mask`` lists of the encoded ``(ids, types)``,
+    each padded on ``side`` to ``target`` tokens (None: not padded)."""
+    columns: dict[str, list] = {"input_ids": [], "token_type_ids": [], "attention_mask": []}
+    for ids, types in encoded:
+        n_pad = max(0, target - len(ids)) if target is not None else 0
+        rows = ((ids, PAD_ID, "input_ids"), (types, SEG_PAD, "token_type_ids"),
+                ([1] * len(ids), 0, "attention_mask"))
+        for values, pad_value, key in rows:
+            pads = [pad_value] * n_pad
+            columns[key].append(pads + values if side == "left" else values + pads)
+    return columns
+
+
+def _as_arrays(columns: dict[str, list], return_tensors: str) -> BatchEncoding:
+    """The columns as ``(B, L)`` tensors (``"pt"``) or numpy arrays (``"np"``); rows must be equally long."""
+    lengths = sorted({len(ids) for ids in columns["input_ids"]})
+    if len(lengths) > 1:
+        raise ValueError(f"cannot make a tensor of sequences of different lengths ({lengths[0]} to "
+                         f"{lengths[-1]}): pass padding=True, or padding='max_length' with truncation=True")
+    width = lengths[0] if lengths else 0
+    if return_tensors == "pt":
+        return BatchEncoding({k: torch.tensor(v, dtype=torch.long).reshape(len(v), width)
+                              for k, v in columns.items()})
+    return BatchEncoding({k: np.array(v, dtype=np.int64).reshape(len(v), width) for k, v in columns.items()})
 
 
 def _check_padding_side(side: str) -> str:

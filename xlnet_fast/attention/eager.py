@@ -10,32 +10,10 @@ FlashAttention, so the per-layer memory kept for autograd is O(L), not O(L^2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass
-class AttnArgs:
-    """Everything but q/k/v/k_r and the biases, already validated (see ``ops.rel_attention``)."""
-
-    r_s_bias: Tensor | None
-    seg_embed: Tensor | None
-    q_seg: Tensor | None
-    k_seg: Tensor | None
-    attn_mask: Tensor | None
-    q_rank: Tensor | None
-    k_rank: Tensor | None
-    q_pos: Tensor | None
-    qlen: int
-    self_rows: int  # query rows [0, self_rows) also see their own key (rank masks)
-    scale: float
-    dropout_p: float
-    seed: Tensor | None
-    # every position 0..qlen-1 has a row (two-stream launches): the Triton backend may then take
-    # every position-sorted tile as banded (docs/DESIGN.md §5); the eager backend ignores it
-    rows_cover_qlen: bool = False
+from .args import AttnArgs
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

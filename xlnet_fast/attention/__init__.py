@@ -1,0 +1,10 @@
+"""The attention op: argument record and validation (``args``), ``torch.library`` registration and
+entry points (``op``), the eager backend (``eager``) and backend resolution (``backends``). The Triton
+backend is ``xlnet_fast.kernels``."""
+
+from .args import AttnArgs
+from .backends import BACKENDS, explain_auto_backend, resolve_backend, triton_status
+from .op import attention_probabilities, rel_attention, rel_attention_two_stream
+
+__all__ = ["rel_attention", "rel_attention_two_stream", "attention_probabilities", "AttnArgs", "BACKENDS",
+           "resolve_backend", "explain_auto_backend", "triton_status"]

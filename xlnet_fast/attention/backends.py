@@ -1,0 +1,101 @@
+"""Which backend runs a call: ``"eager"`` (PyTorch, ``eager.py``) or ``"triton"`` (``xlnet_fast.kernels``).
+
+``"auto"`` takes the Triton kernels for CUDA tensors they support and the eager path otherwise; a
+forced backend never falls back: it runs or raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import eager
+
+BACKENDS = ("auto", "eager", "triton")
+
+
+def triton_status() -> tuple[bool, str]:
+    """(usable, reason): whether the Triton backend can run here at all."""
+    try:
+        from .. import kernels
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return False, f"xlnet_fast.kernels failed to import: {exc}"
+    return kernels.available()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto"`` to a concrete backend for tensors on ``device``; check forced backends."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "eager":
+        return "eager"
+    # the device is checked before the kernels are imported: Triton fixes at import whether its
+    # kernels are interpreted, so an import without TRITON_INTERPRET=1 on a CPU machine would leave
+    # them unusable for a later interpreted call in the same process
+    if backend == "auto" and device.type != "cuda":
+        return "eager"
+    if device.type != "cuda" and not _interpreting():
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1"
+        )
+    ok, reason = triton_status()
+    if backend == "triton" and not ok:
+        raise RuntimeError(f"backend='triton' was forced but cannot run: {reason}")
+    return "triton" if ok else "eager"
+
+
+def backend_for_call(backend: str, q, k, v, k_r) -> str:
+    """The concrete backend for one call: ``resolve_backend``, then shapes and dtypes the kernels do
+    not handle run eagerly under ``"auto"`` and raise when ``"triton"`` was forced."""
+    resolved = resolve_backend(backend, q.device)
+    if resolved != "triton":
+        return resolved
+    from .. import kernels
+
+    try:
+        kernels.check_supported(q, k, v, k_r)
+    except ValueError:
+        if backend == "triton":  # forced: never fall back
+            raise
+        return "eager"
+    return "triton"
+
+
+def explain_auto_backend(device: torch.device) -> str:
+    """One line saying which backend ``auto`` picks on ``device`` and why (for ``xlnet-fast info``)."""
+    ok, reason = triton_status()
+    if device.type != "cuda":
+        return f"eager ({device.type} tensors; the Triton backend runs on CUDA)"
+    return "triton" if ok else f"eager (Triton unusable: {reason})"
+
+
+def _implementation(backend: str):
+    if backend == "triton":
+        from .. import kernels
+
+        return kernels
+    return eager
+
+
+def run_backend(backend: str, name: str, *args):
+    """``forward``/``backward`` of a concrete backend; an out-of-memory error of the eager path says
+    what to use instead."""
+    try:
+        return getattr(_implementation(backend), name)(*args)
+    except torch.OutOfMemoryError as exc:
+        if backend != "eager":
+            raise
+        raise torch.OutOfMemoryError(
+            f"{exc}\nxlnet_fast: the eager backend materialises (B, H, M, K) attention scores; on CUDA "
+            "use backend='triton' (the fused kernels keep O(L) memory) or shorter sequences") from exc
+    except RuntimeError as exc:
+        if backend != "eager" or "alloc" not in str(exc).lower():
+            raise
+        raise RuntimeError(
+            f"{exc}\nxlnet_fast: out of memory in the eager backend, which materialises (B, H, M, K) "
+            "attention scores; on a GPU, backend='triton' keeps O(L) memory") from exc
