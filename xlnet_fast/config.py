@@ -49,6 +49,12 @@ _DEFAULTS: dict[str, Any] = {
 _ALIASES = {"n_token": "vocab_size", "hidden_size": "d_model", "num_attention_heads": "n_head",
             "num_hidden_layers": "n_layer"}
 _BACKENDS = ("auto", "eager", "triton")
+# Model sizes by name (the pretraining presets and the benchmarks use these).
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(d_model=128, n_layer=2, n_head=4, d_inner=256),
+    "base": dict(d_model=768, n_layer=12, n_head=12, d_inner=3072),
+    "large": dict(d_model=1024, n_layer=24, n_head=16, d_inner=4096),
+}
 _LABEL_FIELDS = ("num_labels", "id2label", "label2id")
 logger = logging.getLogger(__name__)
 
