@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)  # the same constant inside the kernels
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _fa2_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < M)[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, (m_i + tl.log2(l_i)) / 1.4426950408889634,
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + rows, (m_i + tl.log2(l_i)) / LOG2E_C,
              mask=rows < M)
 
 
@@ -87,7 +88,7 @@ def _fa2_bwd_kv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         lse = tl.load(lse_ptr + stats_base + rows, mask=rows < M, other=float("inf"))
         delta = tl.load(delta_ptr + stats_base + rows, mask=rows < M, other=0.0)
         s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale
-        prob = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+        prob = tl.exp2(s - lse[:, None] * LOG2E_C)
         prob = tl.where((cols < N)[None, :], prob, 0.0)
         dv += tl.dot(tl.trans(prob.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v_tile))
@@ -125,7 +126,7 @@ def _fa2_bwd_q(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         k_tile = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v_tile = tl.load(v_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale
-        prob = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+        prob = tl.exp2(s - lse[:, None] * LOG2E_C)
         prob = tl.where((cols < N)[None, :], prob, 0.0)
         dp = tl.dot(do, tl.trans(v_tile))
         ds = prob * (dp - delta[:, None])

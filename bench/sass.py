@@ -211,14 +211,10 @@ def _dominates(idom: list, a: int, b: int) -> bool:
     return False
 
 
-def parse(text: str) -> Sass:
-    """Instructions and the loop forest of one kernel's ``nvdisasm -c -gi`` listing."""
-    instructions, labels = _instructions(text)
-    if not instructions:
-        return Sass([], [])
-    blocks, successors = _blocks(instructions, labels)
-    idom = _dominators(successors)
-    predecessors = [[] for _ in blocks]
+def _loop_bodies(successors: list, idom: list) -> dict:
+    """{header block: blocks of its natural loop}: for every back edge (an edge to a block that
+    dominates its source), the header plus the blocks that reach the source without the header."""
+    predecessors = [[] for _ in successors]
     for node, succ in enumerate(successors):
         for child in succ:
             predecessors[child].append(node)
@@ -234,6 +230,11 @@ def parse(text: str) -> Sass:
                     if block not in body:
                         body.add(block)
                         work.extend(predecessors[block])
+    return bodies
+
+
+def _loop_forest(blocks: list, bodies: dict) -> list:
+    """Loops nested by block containment, each with its own instructions; outer before inner."""
     loops = sorted((Loop(blocks[h][0].address, frozenset(body)) for h, body in bodies.items()),
                    key=lambda loop: -len(loop.blocks))
     for i, loop in enumerate(loops):  # parent: the smallest strictly larger loop containing it
@@ -249,7 +250,17 @@ def parse(text: str) -> Sass:
     for loop in loops:
         loop.children.sort(key=lambda child: child.head)
     loops.sort(key=lambda loop: (loop.depth(), loop.head))
-    return Sass(instructions, loops)
+    return loops
+
+
+def parse(text: str) -> Sass:
+    """Instructions and the loop forest of one kernel's ``nvdisasm -c -gi`` listing."""
+    instructions, labels = _instructions(text)
+    if not instructions:
+        return Sass([], [])
+    blocks, successors = _blocks(instructions, labels)
+    bodies = _loop_bodies(successors, _dominators(successors))
+    return Sass(instructions, _loop_forest(blocks, bodies))
 
 
 def count(instructions) -> Counter:

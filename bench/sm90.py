@@ -1,6 +1,6 @@
 """Compile report for NVIDIA Hopper (sm_90) on a machine without a GPU.
 
-    python -m bench.sm90 [--json PATH] [--D 64 128] [--streams content two-stream]
+    python -m bench.sm90 [--json PATH | --record] [--D 64 128] [--streams content two-stream]
                          [--dropout off on] [--deterministic off on] [--configs 128x64w8s3 ...]
                          [--trips interpreted|static] [--trip-samples 1] [--no-reference] [--check]
 
@@ -9,17 +9,20 @@ touch a GPU, records every kernel launch at every config its autotuner may pick 
 compiles each for sm_90 with the flags of the launch, and reads registers, spills, shared memory,
 the MMA kind and, per iteration of the key loop and per score element, the SASS instructions by
 class (``bench.sass``), next to a plain FlashAttention-2 (``bench.fa2_reference``) compiled the same
-way at the same tiles. Writes ``bench/results/sm90.json`` (overwritten: one snapshot of the kernels)
-and prints a table and one summary line per kernel. ``--check`` exits 1 if an op kernel spills or
-has no wgmma.
+way at the same tiles. Writes the report to ``--json PATH`` (default: the cache directory, see
+``bench.runner``), or with ``--record`` to ``bench/results/sm90.json`` (overwritten: one snapshot of
+the kernels), and prints a table and one summary line per kernel; it first says how many binaries
+it will compile and about how long that takes. ``--check`` exits 1 if an op kernel spills or has no
+wgmma.
 
 Per iteration: the key loop's own instructions plus each nested loop (k_r chunks) times its
 iterations per key-loop iteration, measured by replaying the launch in triton's CPU interpreter
 (``bench.loop_trips``) on the scenario's real index data (``--trips interpreted``, the default:
 programs of grid axis 0 spread over it until the loops made 2000 iterations, the first of the other
-axes), or once (``--trips static``). One replay serves
-the launches of a kernel with the same tile sizes and integer tensors (so D, dropout and the
-flags are assumed not to change loop trip counts; ``--exact-trips`` replays every binary). Per score element: per-iteration count x threads / (BLOCK_M x BLOCK_N).
+axes), or once (``--trips static``). One replay serves the launches of a kernel with the same tile
+sizes and integer tensors (so D, dropout and the flags are assumed not to change loop trip counts;
+``--exact-trips`` replays every binary). Per score element: per-iteration count x threads /
+(BLOCK_M x BLOCK_N).
 Ratio: against the reference kernel of the same role (forward; backward over query tiles = dQ;
 backward over key tiles or other rows = dK/dV, see ``launch_role``) at the same D, tiles, warps and
 stages, else against the reference's lowest inst/score config without spills.
@@ -45,13 +48,15 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import aot, sass  # noqa: E402
+from bench import aot, cases, runner, sass  # noqa: E402
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "sm90.json"
-TRIPS_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "xlnet_fast" / "sm90_trips.json"
+RECORDS = "sm90.json"
+TRIPS_CACHE = runner.cache_dir() / "sm90_trips.json"
 # The constexprs that size the score tile (query rows x keys) in the op's and the reference's kernels.
 TILE_ARGS = ("BLOCK_M", "BLOCK_N")
 HOPPER_SMEM_PER_BLOCK = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+# Wall seconds one compile + ptxas + nvdisasm takes (measured: 12 binaries in 84 s, 2 shared cores).
+SECONDS_PER_COMPILE = 7
 COUNTED = ("inst", "mma", "shfl", "lds", "sts", "ldl", "stl", "ldg", "stg", "bar", "mufu")
 
 
@@ -82,57 +87,49 @@ class Case:
         return "+".join([self.stream] + (["dropout"] * self.dropout) + (["det"] * self.deterministic))
 
 
+def attention_case(case: Case) -> cases.AttentionCase:
+    """The op's inputs for the scenario: pretraining ranks (the targets last in the order)."""
+    return cases.AttentionCase(B=case.batch, H=case.heads, qlen=case.qlen, mlen=case.mlen, D=case.D,
+                               dtype=torch.bfloat16, targets=case.targets, two_stream=case.stream == "two-stream",
+                               ranks="pretraining")
+
+
 def op_calls(case: Case, device: str) -> list:
     """THE SCENARIO BUILDER. ``[(phase, call)]``: calls of the op's launch code (forward, then
-    backward) on inputs built as the model builds them, on ``device`` ("meta" to compile only,
-    "cpu" when the interpreter replays the launches). Adapt this function, and only it, when the
-    launch code's arguments change."""
-    from xlnet_fast import kernels, masks
-    from xlnet_fast.eager import AttnArgs
+    backward) on the inputs ``bench.cases`` builds for the scenario, on ``device`` ("meta" to
+    compile only, "cpu" when the interpreter replays the launches). Adapt this function, and only
+    it, when the launch code's arguments change."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
 
-    B, L, mlen, H, D, P = case.batch, case.qlen, case.mlen, case.heads, case.D, case.targets
-    K, R = mlen + L, mlen + 2 * L
-    index_gen = torch.Generator().manual_seed(0)  # index data first: equal for every D
-    order = torch.argsort(torch.rand(B, L, generator=index_gen), dim=1)  # factorisation order
-    rank = torch.argsort(order, dim=1).to(torch.int32)
-    is_target = rank >= L - P  # XLNet predicts the last tokens of the order
-    target_pos = torch.sort(torch.argsort(rank, dim=1, descending=True)[:, :P], dim=1).values
-    token_type = (torch.arange(L) >= torch.randint(L // 4, L, (B, 1), generator=index_gen)).long()
-    q_rank = torch.where(is_target, rank, 0)  # local_perm: non-targets see only context
-    k_rank = masks.with_memory(torch.where(is_target, rank, -1), mlen)
-    k_seg = torch.cat([torch.zeros(B, mlen, dtype=torch.long), token_type], 1)
+    inputs = cases.attention_inputs(attention_case(case), device)
+    floats, index = inputs.floats, inputs.index
+    B, L = case.batch, case.qlen
+    q_seg, q_rank, q_pos = index["q_seg"], index["q_rank"], None
     if case.stream == "two-stream":  # as ops.rel_attention_two_stream concatenates
-        M = L + P
-        q_pos = torch.cat([torch.arange(L).expand(B, L), target_pos], 1)
-        q_seg = torch.cat([token_type, token_type.gather(1, target_pos)], 1)
+        target_pos = index["target_pos"]
+        q = torch.cat([floats["q_h"], floats["q_g"]], 1)
+        q_pos = torch.cat([torch.arange(L, device=device).expand(B, L), target_pos], 1)
+        q_seg = torch.cat([q_seg, q_seg.gather(1, target_pos)], 1)
         q_rank = torch.cat([q_rank, q_rank.gather(1, target_pos)], 1)
     else:
-        M, q_pos, q_seg = L, None, token_type
-
-    float_gen = torch.Generator().manual_seed(1)
-
-    def floats(*shape):
-        if device == "meta":
-            return torch.empty(shape, dtype=torch.bfloat16, device="meta")
-        return torch.randn(shape, generator=float_gen).to(torch.bfloat16)
-
-    def on_device(t):
-        return None if t is None else t.to(device)
-
-    q, k, v, k_r = floats(B, M, H, D), floats(B, K, H, D), floats(B, K, H, D), floats(1, R, H, D)
-    r_w_bias, r_r_bias, r_s_bias, seg_embed = floats(H, D), floats(H, D), floats(H, D), floats(2, H, D)
-    dropout_p = 0.1 if case.dropout else 0.0
-    seed = torch.randint(0, 2**62, (), dtype=torch.int64, generator=index_gen) if case.dropout else None
-    args = AttnArgs(r_s_bias, seg_embed, on_device(q_seg), on_device(k_seg), None, on_device(q_rank),
-                    on_device(k_rank), on_device(q_pos), L, L, 1.0 / math.sqrt(D), dropout_p, seed,
+        q = floats["q"]
+    dropout_p, seed = 0.0, None
+    if case.dropout:
+        dropout_p = 0.1
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    args = AttnArgs(r_s_bias=floats["r_s_bias"], seg_embed=floats["seg_embed"], q_seg=q_seg, k_seg=index["k_seg"],
+                    attn_mask=None, q_rank=q_rank, k_rank=index["k_rank"], q_pos=q_pos, qlen=L, self_rows=L,
+                    scale=1.0 / math.sqrt(case.D), dropout_p=dropout_p, seed=seed,
                     rows_cover_qlen=case.stream == "two-stream")  # as ops.rel_attention_two_stream says
     saved = {}
+    k, v, k_r, r_w_bias, r_r_bias = (floats[n] for n in ("k", "v", "k_r", "r_w_bias", "r_r_bias"))
 
     def forward():
         saved["out"], saved["lse"] = kernels.forward(q, k, v, k_r, r_w_bias, r_r_bias, args)
 
     def backward():
-        kernels.backward(floats(B, M, H, D), q, k, v, k_r, r_w_bias, r_r_bias, args, saved["out"],
+        kernels.backward(cases.random_like(q, seed=1), q, k, v, k_r, r_w_bias, r_r_bias, args, saved["out"],
                          saved["lse"], deterministic=case.deterministic)
 
     return [("forward", forward), ("backward", backward)]
@@ -271,8 +268,7 @@ class TripCounter:
                                "loops": [[loop.file, loop.line, loop.end, loop.body, n]
                                          for loop, n in replay.iterations.items()]}
             if self.cache_path is not None:
-                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-                self.cache_path.write_text(json.dumps(self._disk))
+                runner.write_json(self.cache_path, self._disk)
         entry = self._disk[key]
         return loop_trips.Replay({loop_trips.SourceLoop(*loop[:4]): loop[4] for loop in entry["loops"]},
                                  *entry["programs"])
@@ -391,17 +387,35 @@ def compile_cases(cases: list, configs: set | None, trip_counter: TripCounter | 
     return list(by_key.values())
 
 
+def reference_launches(D: int, config: tuple) -> list:
+    """The FlashAttention-2 reference's launches at head dim ``D`` and tile ``config``."""
+    tiles = dict(zip(TILE_ARGS + ("num_warps", "num_stages"), config))
+    return capture(reference_calls(Case(D, "content", False, False), tiles))
+
+
 def compile_references(records: list) -> list:
     """The FlashAttention-2 reference at every (D, tiles) the op's records use."""
     wanted = sorted({(r["D"], (r["BLOCK_M"], r["BLOCK_N"], r["num_warps"], r["num_stages"]))
                      for r in records if r.get("BLOCK_M")})
     out = []
     for D, config in wanted:
-        tiles = dict(zip(TILE_ARGS + ("num_warps", "num_stages"), config))
-        for launch in capture(reference_calls(Case(D, "content", False, False), tiles)):
+        for launch in reference_launches(D, config):
             out.append(analyse(launch, None, D=D, scenarios=["reference"], reference=True))
             log(_row(out[-1]))
     return out
+
+
+def planned_compiles(scenarios: list, configs: set | None, reference: bool) -> int:
+    """How many binaries a run compiles: the distinct launches of the scenarios (captured on meta
+    tensors, which compile nothing), plus the reference's at each (D, tiles) they use."""
+    keys, tiles = set(), set()
+    for case in scenarios:
+        for launch in capture(op_calls(case, "meta")):
+            if _matches(launch, configs):
+                keys.add(aot.compile_key(launch))
+                tiles.add((case.D, tile_config(launch)))
+    references = sum(len(reference_launches(D, config)) for D, config in tiles if config[0]) if reference else 0
+    return len(keys) + references
 
 
 def tile_config_of(record: dict) -> tuple:
@@ -493,9 +507,9 @@ def check(records: list) -> list:
     return problems
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="records file (overwritten)")
+    runner.add_output_args(parser, RECORDS, flag="--json")  # the report file (overwritten)
     parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--streams", nargs="+", default=["content", "two-stream"],
                         choices=["content", "two-stream"])
@@ -514,16 +528,27 @@ def main(argv=None) -> int:
                              "with equal kernel, tiles and index data)")
     parser.add_argument("--no-reference", action="store_true", help="skip the FlashAttention-2 reference")
     parser.add_argument("--check", action="store_true", help="exit 1 if an op kernel spills or lacks wgmma")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     problem = aot.toolchain_problem()
     if problem:
         print(f"cannot compile for sm_90 here: {problem}", file=sys.stderr)
         return 2
-    cases = all_cases(args.D, args.streams, [d == "on" for d in args.dropout],
-                      [d == "on" for d in args.deterministic])
-    trip_counter = TripCounter(args.trip_budget, args.trip_samples, args.exact_trips) if args.trips == "interpreted" else None
-    records = compile_cases(cases, set(args.configs or []), trip_counter)
+    scenarios = all_cases(args.D, args.streams, [d == "on" for d in args.dropout],
+                          [d == "on" for d in args.deterministic])
+    trip_counter = None
+    if args.trips == "interpreted":
+        trip_counter = TripCounter(args.trip_budget, args.trip_samples, args.exact_trips)
+    n = planned_compiles(scenarios, set(args.configs or []), not args.no_reference)
+    log(f"compiling {n} kernel binaries for sm_90 ({len(scenarios)} scenarios"
+        + ("" if args.no_reference else ", with the FlashAttention-2 reference")
+        + f"): about {runner.duration(n * SECONDS_PER_COMPILE)} at ~{SECONDS_PER_COMPILE} s a binary"
+        + ("" if trip_counter is None else f"; a kernel with nested loops is also replayed in the interpreter "
+           f"once per tile size (cached in {trip_counter.cache_path})"))
+    records = compile_cases(scenarios, set(args.configs or []), trip_counter)
     references = [] if args.no_reference else compile_references(records)
     attach_ratios(records, references)
     stamp = {"triton": triton.__version__, "torch": torch.__version__, "target": "cuda sm_90a (no GPU)",
@@ -532,13 +557,13 @@ def main(argv=None) -> int:
              f"interpreted: grid axis 0 up to {args.trip_budget or 'all'} loop iterations, "
              f"{args.trip_samples} program(s) on the others"}
     everything = [{**r, **stamp} for r in records + references]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(everything, indent=1) + "\n")
+    path = runner.output_path(args, RECORDS)
+    runner.write_json(path, everything)
     print()
     print(table(everything))
     print()
     print(summary(everything))
-    print(f"\nwrote {len(everything)} records to {args.json}"
+    print(f"\nwrote {len(everything)} records to {path}"
           + (f"; {trip_counter.replays} interpreter replays" if trip_counter else ""))
     if args.check:
         problems = check(records)

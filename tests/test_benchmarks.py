@@ -1,26 +1,35 @@
 """CPU benchmarks (pytest-benchmark) of the eager op and the model forward; CI passes
 --benchmark-disable (pyproject addopts), so each runs once as a test. Measure with
-``python -m pytest tests/test_benchmarks.py --benchmark-enable``. Also checks that the attention
-benchmark's providers compute the same attention."""
+``python -m pytest tests/test_benchmarks.py --benchmark-enable``. Also checks the bench scripts: the
+attention benchmark's providers compute the same attention, the shared case builders
+(``bench.cases``) draw the inputs the scripts' own builders drew, and a bench command run without
+``--record`` writes nothing inside the repository."""
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import xlnet_fast
-from bench import attention
+from bench import attention, cases, cpu_vs_hf, gpu_check, plot, pretrain_step, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_REPO_CONTENT = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
 
 
 def test_bench_providers_agree():
-    t, c = attention.make_case(B=1, H=2, qlen=24, mlen=8, D=16, dtype=torch.float32, device="cpu")
-    out = {n: attention.runner(n, dict(t), c)() for n in ("eager", "hf")}
+    inputs = cases.attention_inputs(cases.AttentionCase(B=1, H=2, qlen=24, mlen=8, D=16, dtype=torch.float32))
+    out = {n: attention.provider_call(n, inputs, dict(inputs.floats))() for n in ("eager", "hf")}
     hf = out["hf"].transpose(0, 1)  # HF's (len, B, H, D)
     torch.testing.assert_close(out["eager"], hf, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("L", [128, 512])
 def test_benchmark_eager_op_fwd_bwd(benchmark, L):
-    t, c = attention.make_case(B=1, H=4, qlen=L, mlen=0, D=64, dtype=torch.float32, device="cpu")
-    step = attention.provider_fn("eager", t, c, "fwd_bwd")
+    inputs = cases.attention_inputs(cases.AttentionCase(B=1, H=4, qlen=L, mlen=0, D=64, dtype=torch.float32))
+    step = attention.provider_fn("eager", inputs, "fwd_bwd")
     benchmark(step)
 
 
@@ -41,13 +50,208 @@ def test_benchmark_model_forward(benchmark):
 
 def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    import json
-
-    from bench import plot
-
     recs = [{"op": "xlnet_attn", "device": "Fake GPU", "dtype": "bf16", "D": 64, "mlen": 0, "mode": "fwd",
              "provider": p, "L": L, "ms": ("OOM" if (p == "hf" and L == 4096) else L / 100)}
             for p in ("xlnet_fast", "hf") for L in (512, 4096)]
     (tmp_path / "attention.json").write_text(json.dumps(recs))
-    assert plot.main(["--results", str(tmp_path)]) == 0
+    assert plot.main(["--results", str(tmp_path), "--out", str(tmp_path)]) == 0
     assert list(tmp_path.glob("attention_fake-gpu_bf16_D64_mlen0_fwd.png"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared case builders
+# --------------------------------------------------------------------------------------------------
+
+
+def _draws(g, shapes_scales, dtype):
+    """What the scripts' own builders drew: each tensor in turn from one generator, scaled, cast."""
+    draw_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return [(torch.randn(*shape, generator=g, dtype=draw_dtype) * s).to(dtype) for shape, s in shapes_scales]
+
+
+def test_attention_case_floats_are_the_old_builders_draws():
+    B, H, L, mlen, D = 2, 3, 8, 4, 5
+    heads = (H, D)
+    content = [((B, L, *heads), 1), ((B, L + mlen, *heads), 1), ((B, L + mlen, *heads), 1),
+               ((1, 2 * L + mlen, *heads), 1), (heads, 0.1), (heads, 0.1), (heads, 0.1), ((2, *heads), 0.1)]
+    # bench.attention's make_case: content stream, float32 draws cast to the benchmark dtype
+    got = cases.attention_inputs(cases.AttentionCase(B, H, L, mlen, D, torch.bfloat16, seed=7)).floats
+    expected = _draws(torch.Generator().manual_seed(7), content, torch.bfloat16)
+    assert list(got) == ["q", "k", "v", "k_r", "r_w_bias", "r_r_bias", "r_s_bias", "seg_embed"]
+    for (name, tensor), want in zip(got.items(), expected):
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, want), name
+    # bench.gpu_check's make_inputs: two streams (q_g right after q_h), float64 draws
+    case = cases.AttentionCase(B, H, L, mlen, D, torch.float64, targets=3, two_stream=True)
+    got = cases.attention_inputs(case).floats
+    expected = _draws(torch.Generator().manual_seed(0), [content[0], ((B, 3, *heads), 1)] + content[1:],
+                      torch.float64)
+    assert list(got)[:2] == ["q_h", "q_g"]
+    for (name, tensor), want in zip(got.items(), expected):
+        assert torch.equal(tensor, want), name
+    meta = cases.attention_inputs(case, "meta")
+    assert {k: (v.shape, v.dtype) for k, v in meta.floats.items()} == {k: (v.shape, v.dtype) for k, v in got.items()}
+    assert all(v.device.type == "meta" for v in [*meta.floats.values(), *meta.index.values()])
+
+
+def _sm90_index_data(B, L, mlen, P, two_stream):
+    """The index data bench.sm90's scenario builder drew before bench.cases existed."""
+    from xlnet_fast import masks
+
+    g = torch.Generator().manual_seed(0)
+    order = torch.argsort(torch.rand(B, L, generator=g), dim=1)
+    rank = torch.argsort(order, dim=1).to(torch.int32)
+    is_target = rank >= L - P
+    target_pos = torch.sort(torch.argsort(rank, dim=1, descending=True)[:, :P], dim=1).values
+    token_type = (torch.arange(L) >= torch.randint(L // 4, L, (B, 1), generator=g)).long()
+    out = dict(q_rank=torch.where(is_target, rank, 0), k_rank=masks.with_memory(torch.where(is_target, rank, -1), mlen),
+               q_seg=token_type, k_seg=torch.cat([torch.zeros(B, mlen, dtype=torch.long), token_type], 1))
+    return {**out, "target_pos": target_pos} if two_stream else out
+
+
+@pytest.mark.parametrize("two_stream", [False, True])
+def test_pretraining_ranks_are_the_sm90_scenario_index_data(two_stream):
+    B, L, mlen, P = 3, 32, 8, 6
+    case = cases.AttentionCase(B, 2, L, mlen, 4, targets=P, two_stream=two_stream, ranks="pretraining")
+    got = cases.attention_inputs(case).index
+    expected = _sm90_index_data(B, L, mlen, P, two_stream)
+    assert list(got) == list(expected)
+    for name in expected:
+        assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name
+
+
+def test_permutation_ranks_segments_and_targets():
+    B, L, mlen, P = 4, 40, 8, 7
+    case = cases.AttentionCase(B, 2, L, mlen, 4, targets=P, two_stream=True, seed=3)
+    index = cases.attention_inputs(case).index
+    rank = index["k_rank"][:, mlen:]
+    assert (index["k_rank"][:, :mlen] == xlnet_fast.INT32_MIN).all()  # memory: always visible
+    assert torch.equal(rank.sort(dim=1).values, torch.arange(L, dtype=torch.int32).expand(B, L))
+    assert torch.equal(index["q_rank"], rank + 1)  # a position sees itself and what precedes it
+    assert torch.equal(index["target_pos"], (rank >= L - P).nonzero()[:, 1].view(B, P))  # last P of the order
+    seg = index["q_seg"]
+    boundary = (seg == 0).sum(1)
+    assert ((boundary >= L // 4) & (boundary < L)).all() and torch.equal(seg, seg.sort(dim=1).values)
+    assert torch.equal(index["k_seg"], torch.cat([torch.zeros(B, mlen, dtype=torch.long), seg], 1))
+    no_segments = cases.attention_inputs(cases.AttentionCase(B, 2, L, mlen, 4, segments=False))
+    assert "q_seg" not in no_segments.index and "seg_embed" not in no_segments.floats
+
+
+@pytest.mark.parametrize("bad", [dict(ranks="dense"), dict(two_stream=True), dict(ranks="pretraining"),
+                                 dict(targets=41), dict(mlen=-1), dict(H=0)])
+def test_attention_case_rejects_inconsistent_fields(bad):
+    with pytest.raises(ValueError):
+        cases.AttentionCase(**{**dict(B=1, H=2, qlen=40, mlen=0, D=4), **bad})
+
+
+def test_pretraining_batch_masks_agree():
+    case = cases.ModelCase("tiny", B=3, seq=24, mlen=5, predict=4, vocab=100, seed=2)
+    batch = cases.pretraining_batch(case)
+    assert torch.equal(batch["ids"], cases.token_ids(case))  # the ids are the generator's first draw
+    assert torch.equal(batch["perm_mask"], (batch["q_rank"][:, :, None] <= batch["k_rank"][:, None, :]).float())
+    assert torch.equal(batch["target_mapping"].argmax(-1), batch["target_pos"])
+    assert torch.equal(batch["target_mapping"].sum(-1), torch.ones(3, 4))
+    assert torch.equal(batch["labels"], batch["ids"].gather(1, batch["target_pos"]))
+    assert [m.shape for m in batch["mems"]] == [(5, 3, case.dims["d_model"])] * case.dims["n_layer"]
+    again = cases.pretraining_batch(case)
+    assert all(torch.equal(batch[k], again[k]) for k in batch if k != "mems")
+
+
+# --------------------------------------------------------------------------------------------------
+# Where the bench scripts write
+# --------------------------------------------------------------------------------------------------
+
+
+def _repo_files() -> dict:
+    """{path: (size, mtime)} of every file of the repository (git's and caches' folders excluded)."""
+    files = {}
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in NOT_REPO_CONTENT and not d.endswith(".egg-info")]
+        for name in names:
+            st = os.stat(os.path.join(folder, name))
+            files[os.path.relpath(os.path.join(folder, name), ROOT)] = (st.st_size, st.st_mtime_ns)
+    return files
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The bench cache directory, moved into tmp_path; asserts the repository is left as it was."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = _repo_files()
+    yield tmp_path / "xlnet_fast" / "bench"
+    assert _repo_files() == before, "a bench command changed files inside the repository"
+
+
+@pytest.mark.parametrize("module, name", [(attention, "attention.json"), (gpu_check, "gpu_check.json"),
+                                          (pretrain_step, "pretrain_step.json"), (cpu_vs_hf, "cpu_vs_hf.json"),
+                                          (plot, "")])
+def test_output_goes_to_the_cache_unless_recorded(cache, module, name):
+    parser = module.build_parser()
+    assert runner.output_path(parser.parse_args([]), name) == cache / name
+    assert runner.output_path(parser.parse_args(["--record"]), name) == ROOT / "bench" / "results" / name
+    assert runner.output_path(parser.parse_args(["--out", "x"]), name) == Path("x")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--record", "--out", "x"])
+    if module in (attention, pretrain_step, cpu_vs_hf):  # they had --no-record: print only
+        assert runner.output_path(parser.parse_args(["--no-record"]), name) is None
+
+
+def test_cpu_vs_hf_without_record_writes_to_the_cache(cache, monkeypatch, capsys):
+    for key, value in cpu_vs_hf._ENV.items():  # already set: no re-exec
+        monkeypatch.setenv(key, value)
+    assert cpu_vs_hf.main(["--size", "tiny", "--seq", "8", "--layers", "1", "--repeats", "1"]) == 0
+    [record] = json.loads((cache / "cpu_vs_hf.json").read_text())
+    assert record["op"] == "cpu_model_vs_hf" and record["L"] == 8 and set(record["modes"]) == {"fwd", "fwd_bwd"}
+    assert record["max_abs_output_diff"] < 1e-4
+    assert "about" in capsys.readouterr().err  # said how long it would take
+
+
+def test_plot_without_record_writes_to_the_cache(cache):
+    pytest.importorskip("matplotlib")
+    assert plot.main([]) == 0  # the repository's records
+    assert (cache / "cpu_vs_hf.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_attention_on_cpu_runs_a_small_sweep_and_refuses_a_long_one(cache, capsys):
+    argv = ["--qlens", "16", "--mlens", "0", "4", "--B", "1", "--H", "2", "--D", "8", "--dtypes", "fp32"]
+    assert attention.main(argv) == 0
+    records = json.loads((cache / "attention.json").read_text())
+    assert sorted({(r["provider"], r["mode"], r["mlen"]) for r in records}) == sorted(
+        (p, m, mlen) for p in ("eager", "hf") for m in ("fwd", "fwd_bwd") for mlen in (0, 4))
+    assert all(r["ms"] > 0 and r["L"] == 16 for r in records)
+    capsys.readouterr()
+    assert attention.main([]) == 2  # the GPU sweep (qlen up to 16384) on this CPU
+    err = capsys.readouterr().err
+    assert "would take about" in err and "--qlens" in err
+    assert len(json.loads((cache / "attention.json").read_text())) == len(records)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_pretrain_step_on_cpu_accepts_the_old_size_name_and_refuses_a_long_run(cache, capsys):
+    argv = ["--config", "mini", "--B", "1", "--seq", "16", "--mem", "8", "--predict", "4", "--repeats", "1"]
+    assert pretrain_step.main(argv) == 0
+    records = json.loads((cache / "pretrain_step.json").read_text())
+    assert [(r["provider"], r["config"]) for r in records] == [("xlnet_fast", "tiny"), ("hf", "tiny")]
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    capsys.readouterr()
+    assert pretrain_step.main([]) == 2  # XLNet-base, B=8, seq 512 on this CPU
+    assert "would take about" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_gpu_check_refuses_without_a_gpu(cache, capsys):
+    assert gpu_check.main([]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    assert not cache.exists()
+
+
+def test_runner_sweep_order_and_records(tmp_path):
+    assert runner.sweep(a=[1, 2], b="xy") == [dict(a=1, b="x"), dict(a=1, b="y"), dict(a=2, b="x"), dict(a=2, b="y")]
+    path = tmp_path / "r" / "records.json"
+    runner.append_records(path, [{"n": 1}])
+    runner.append_records(path, [{"n": 2}])
+    assert json.loads(path.read_text()) == [{"n": 1}, {"n": 2}]
+    assert [p.name for p in path.parent.iterdir()] == ["records.json"]  # no temporary file left
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="JSON list"):
+        runner.append_records(path, [{"n": 3}])

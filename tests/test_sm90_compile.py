@@ -4,8 +4,9 @@ The compile check runs in a subprocess: this test session has ``TRITON_INTERPRET
 while compiling needs the kernels in compiled mode. It compiles the forward and the backward of one
 realistic launch (bf16, D=64, ranks + segments, two-stream pretraining, no dropout) at the autotune
 configs below and fails if a kernel's GEMMs are not Hopper wgmma, or if a kernel spills registers at
-the config that is its spill-free one (``NO_SPILL_CONFIG``). Skipped where triton has no NVIDIA
-backend or ptxas.
+the config that is its spill-free one (``NO_SPILL_CONFIG``); run without ``--json`` or ``--record``,
+the report goes to the cache directory and the repository's record stays as it is. Skipped where
+triton has no NVIDIA backend or ptxas.
 """
 
 import json
@@ -78,14 +79,17 @@ def test_forward_and_backward_compile_for_sm90_without_spills(tmp_path):
     problem = aot.toolchain_problem()
     if problem:
         pytest.skip(problem)
-    out = tmp_path / "sm90.json"
-    env = {**os.environ, "TRITON_INTERPRET": "0",
+    out = tmp_path / "xlnet_fast" / "bench" / "sm90.json"  # without --json or --record: the cache directory
+    record = ROOT / "bench" / "results" / "sm90.json"
+    recorded = record.read_bytes() if record.exists() else None
+    env = {**os.environ, "TRITON_INTERPRET": "0", "XDG_CACHE_HOME": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
     cmd = [sys.executable, "-m", "bench.sm90", "--D", "64", "--streams", "two-stream", "--dropout", "off",
            "--deterministic", "off", "--configs", *sorted(set(NO_SPILL_CONFIG.values())), "--trips", "static",
-           "--no-reference", "--json", str(out)]
+           "--no-reference"]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.exists(), f"no report written:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert (record.read_bytes() if record.exists() else None) == recorded, "the repository's record was rewritten"
     records = json.loads(out.read_text())
     assert {r["phase"] for r in records} == {"forward", "backward"}
     assert {r["kernel"] for r in records} == set(NO_SPILL_CONFIG)

@@ -1,0 +1,254 @@
+"""The benchmarks' cases as named records, and the one builder of each kind of input.
+
+``AttentionCase`` + ``attention_inputs``: the arguments of one call of the attention op
+(``rel_attention``, or ``rel_attention_two_stream`` when the case has a query stream), used by
+``bench.attention``, ``bench.gpu_check`` and ``bench.sm90``. ``ModelCase`` + ``token_ids`` /
+``pretraining_batch``: the inputs of a whole model, used by ``bench.pretrain_step`` and
+``bench.cpu_vs_hf``. Model widths come from ``xlnet_fast.config.MODEL_SIZES``.
+
+Random draws, fixed by the case's ``seed``: the index data (factorisation order, then segment
+boundaries) from a CPU generator, then moved to the device; the float tensors from a generator on
+the device, in the order of ``FLOAT_ARGS``, drawn in float32 (float64 for a float64 case), scaled
+(biases and segment embeddings by 0.1) and cast to the case's dtype. On the ``meta`` device the
+floats are empty tensors (shapes and dtypes only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from xlnet_fast.config import MODEL_SIZES
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+RANKS = ("permutation", "pretraining")
+# The op's float arguments in the order they are drawn, with their scale; "q" is "q_h" then "q_g"
+# for a two-stream case, and the last two exist only with segments.
+FLOAT_ARGS = (("q", 1.0), ("k", 1.0), ("v", 1.0), ("k_r", 1.0), ("r_w_bias", 0.1), ("r_r_bias", 0.1),
+              ("r_s_bias", 0.1), ("seg_embed", 0.1))
+SEGMENT_ARGS = ("r_s_bias", "seg_embed")
+# XLNet's first 9 ids are special tokens; token ids are drawn above them.
+FIRST_ORDINARY_ID = 9
+SEP_ID, CLS_ID = 4, 3
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One call of the attention op.
+
+    ``B`` batch, ``H`` heads, ``qlen`` positions, ``mlen`` memory keys, ``D`` head dim, ``dtype``.
+    ``targets``: how many positions are predicted (the last ``targets`` of the factorisation order);
+    ``two_stream``: the query stream's rows of those targets go in the same launch
+    (``rel_attention_two_stream``). ``ranks``: ``"permutation"`` — every position sees the keys up
+    to itself in a random factorisation order (``q_rank = rank + 1``, ``k_rank = rank``) — or
+    ``"pretraining"`` — as XLNet's pretraining builds them: only the targets are ordered
+    (``q_rank = rank`` for targets, 0 else; ``k_rank = rank`` for targets, -1 else). Memory keys are
+    always visible. ``segments``: a segment boundary per row, drawn in ``[qlen/4, qlen)``, memory
+    in segment 0, with the segment bias and embeddings.
+    """
+
+    B: int
+    H: int
+    qlen: int
+    mlen: int
+    D: int
+    dtype: torch.dtype = torch.bfloat16
+    targets: int = 0
+    two_stream: bool = False
+    ranks: str = "permutation"
+    segments: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("B", "H", "qlen", "D"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.mlen < 0 or not 0 <= self.targets <= self.qlen:
+            raise ValueError(f"need mlen >= 0 and 0 <= targets <= qlen, got mlen={self.mlen}, "
+                             f"targets={self.targets}, qlen={self.qlen}")
+        if self.ranks not in RANKS:
+            raise ValueError(f"ranks must be one of {RANKS}, got {self.ranks!r}")
+        if (self.two_stream or self.ranks == "pretraining") and not self.targets:
+            raise ValueError("a two-stream or pretraining case needs targets > 0")
+
+    @property
+    def klen(self) -> int:
+        """Keys: memory then the positions."""
+        return self.mlen + self.qlen
+
+    @property
+    def rlen(self) -> int:
+        """Rows of ``k_r``: every relative distance from ``klen`` down to ``-qlen``."""
+        return self.mlen + 2 * self.qlen
+
+    @property
+    def rows(self) -> int:
+        """Query rows of the launch: the content stream, plus the targets when two-stream."""
+        return self.qlen + (self.targets if self.two_stream else 0)
+
+    def flops(self, mode: str = "fwd") -> float:
+        """Work of one call, for time estimates: the content, position and value products
+        (``2·B·H·rows·D·(2·klen + rlen)`` forward), x3 for forward+backward."""
+        forward = 2 * self.B * self.H * self.rows * self.D * (2 * self.klen + self.rlen)
+        return forward * (3 if mode == "fwd_bwd" else 1)
+
+
+@dataclass
+class AttentionInputs:
+    """The op's arguments for a case: ``floats`` (differentiable, by the op's argument names) and
+    ``index`` (ranks, segments, target positions)."""
+
+    case: AttentionCase
+    floats: dict
+    index: dict
+
+    def call(self, floats: dict | None = None, backend: str = "auto", **kwargs):
+        """Run the op on ``floats`` (default: these); the output ``(B, qlen, H, D)``, or
+        ``(out_h, out_g)`` for a two-stream case."""
+        import xlnet_fast
+
+        op = xlnet_fast.rel_attention_two_stream if self.case.two_stream else xlnet_fast.rel_attention
+        return op(**(self.floats if floats is None else floats), **self.index, backend=backend, **kwargs)
+
+
+def _floats(case: AttentionCase, device) -> dict:
+    names = [(n, s) for n, s in FLOAT_ARGS if case.segments or n not in SEGMENT_ARGS]
+    if case.two_stream:
+        names = [("q_h", 1.0), ("q_g", 1.0)] + names[1:]
+    shapes = {"q": (case.B, case.qlen), "q_h": (case.B, case.qlen), "q_g": (case.B, case.targets),
+              "k": (case.B, case.klen), "v": (case.B, case.klen), "k_r": (1, case.rlen),
+              "r_w_bias": (), "r_r_bias": (), "r_s_bias": (), "seg_embed": (2,)}
+    if torch.device(device).type == "meta":
+        return {n: torch.empty(*shapes[n], case.H, case.D, dtype=case.dtype, device="meta") for n, _ in names}
+    draw_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    return {n: (torch.randn(*shapes[n], case.H, case.D, generator=g, device=device, dtype=draw_dtype) * s)
+            .to(case.dtype) for n, s in names}
+
+
+def _index(case: AttentionCase) -> dict:
+    """Index data on CPU: the order first, then the segment boundaries, from one generator."""
+    from xlnet_fast import masks
+
+    B, L, P = case.B, case.qlen, case.targets
+    g = torch.Generator().manual_seed(case.seed)
+    order = torch.argsort(torch.rand(B, L, generator=g), dim=1)  # factorisation order
+    rank = torch.argsort(order, dim=1).to(torch.int32)  # each position's place in it
+    index = {}
+    if case.ranks == "permutation":
+        q_rank, k_rank = rank + 1, rank
+    else:
+        is_target = rank >= L - P
+        q_rank, k_rank = torch.where(is_target, rank, 0), torch.where(is_target, rank, -1)
+    index.update(q_rank=q_rank, k_rank=masks.with_memory(k_rank, case.mlen))
+    if case.segments:
+        seg = (torch.arange(L) >= torch.randint(L // 4, L, (B, 1), generator=g)).long()
+        index.update(q_seg=seg, k_seg=torch.cat([torch.zeros(B, case.mlen, dtype=torch.long), seg], 1))
+    if case.two_stream:  # the last P of the order, by position
+        index["target_pos"] = torch.sort(torch.argsort(rank, dim=1, descending=True)[:, :P], dim=1).values
+    return index
+
+
+def attention_inputs(case: AttentionCase, device="cpu") -> AttentionInputs:
+    """The op's inputs for ``case`` on ``device`` ("meta": empty floats, for compiling only)."""
+    index = {name: t.to(device) for name, t in _index(case).items()}
+    return AttentionInputs(case, _floats(case, device), index)
+
+
+def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A standard-normal tensor shaped like ``t`` (an upstream gradient), drawn in float32 (float64
+    for float64) from ``seed`` on ``t``'s device; empty on ``meta``."""
+    if t.device.type == "meta":
+        return torch.empty_like(t)
+    draw_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    g = torch.Generator(device=t.device).manual_seed(seed)
+    return torch.randn(t.shape, generator=g, device=t.device, dtype=draw_dtype).to(t.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole models
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A model size (a name in ``MODEL_SIZES``, ``n_layer`` overridable) and its batch: ``B`` rows
+    of ``seq`` tokens, ``mlen`` memory, ``predict`` targets per row (0: no query stream)."""
+
+    size: str
+    B: int
+    seq: int
+    mlen: int = 0
+    predict: int = 0
+    vocab: int = 32000
+    n_layer: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.size not in MODEL_SIZES:
+            raise ValueError(f"size must be one of {sorted(MODEL_SIZES)}, got {self.size!r}")
+        if not 0 <= self.predict <= self.seq:
+            raise ValueError(f"need 0 <= predict <= seq, got predict={self.predict}, seq={self.seq}")
+
+    @property
+    def dims(self) -> dict:
+        """``d_model, n_layer, n_head, d_inner``."""
+        dims = dict(MODEL_SIZES[self.size])
+        if self.n_layer is not None:
+            dims["n_layer"] = self.n_layer
+        return dims
+
+    def config(self, **extra) -> dict:
+        """Keyword arguments of ``XLNetConfig`` (ours or transformers') for this case."""
+        return dict(vocab_size=self.vocab, **self.dims, mem_len=self.mlen, **extra)
+
+    def flops(self, mode: str = "fwd", lm_head: bool = False) -> float:
+        """Work of one step, for time estimates: per layer and row the projections (q, k, v, o and
+        the relative keys), the feed-forward and the attention; rows are the ``seq`` content rows
+        plus the ``predict`` query rows; with ``lm_head`` the logits of the predicted rows (of every
+        row without targets). x3 for forward+backward."""
+        d = self.dims
+        rows = self.seq + self.predict
+        per_row = 2 * (5 * d["d_model"] ** 2 + 2 * d["d_model"] * d["d_inner"])
+        per_row += 2 * d["d_model"] * (2 * (self.mlen + self.seq) + self.mlen + 2 * self.seq)
+        forward = self.B * rows * per_row * d["n_layer"]
+        if lm_head:
+            forward += 2 * self.B * (self.predict or self.seq) * d["d_model"] * self.vocab
+        return forward * (3 if mode == "fwd_bwd" else 1)
+
+
+def token_ids(case: ModelCase) -> torch.Tensor:
+    """``(B, seq)`` random ordinary token ids (the first draw of the case's generator)."""
+    g = torch.Generator().manual_seed(case.seed)
+    return torch.randint(FIRST_ORDINARY_ID, case.vocab, (case.B, case.seq), generator=g)
+
+
+def pretraining_batch(case: ModelCase, device="cpu") -> dict:
+    """One two-stream pretraining batch: ``ids (B, seq)``; the compact masks XLNet's ``local_perm``
+    gives (``q_rank, k_rank`` int32 ``(B, seq)``, ``target_pos (B, predict)``); the same as dense
+    transformers inputs (``perm_mask (B, seq, seq)``, one-hot ``target_mapping (B, predict, seq)``);
+    ``labels (B, predict)``; ``mems``: one ``(mlen, B, d_model)`` tensor per layer."""
+    from xlnet_fast.masks import local_perm
+
+    B, seq, predict = case.B, case.seq, case.predict
+    g = torch.Generator().manual_seed(case.seed)
+    ids = torch.randint(FIRST_ORDINARY_ID, case.vocab, (B, seq), generator=g)
+    q_ranks, k_ranks, targets = [], [], []
+    for b in range(B):
+        masked = torch.zeros(seq, dtype=torch.bool)
+        masked[torch.randperm(seq, generator=g)[:predict]] = True
+        q, k, t = local_perm(ids[b], masked, seq, sep_id=SEP_ID, cls_id=CLS_ID, generator=g)
+        q_ranks.append(q)
+        k_ranks.append(k)
+        targets.append(t.nonzero().flatten())
+    target_pos = torch.stack(targets)
+    q_rank, k_rank = torch.stack(q_ranks), torch.stack(k_ranks)
+    perm_mask = (q_rank[:, :, None] <= k_rank[:, None, :]).float()
+    target_mapping = torch.zeros(B, predict, seq).scatter_(2, target_pos[..., None], 1.0)
+    d = case.dims
+    mems = [torch.randn(case.mlen, B, d["d_model"], generator=g) for _ in range(d["n_layer"])]
+    batch = dict(ids=ids, q_rank=q_rank, k_rank=k_rank, target_pos=target_pos, perm_mask=perm_mask,
+                 target_mapping=target_mapping, labels=ids.gather(1, target_pos))
+    return {**{k: v.to(device) for k, v in batch.items()}, "mems": [m.to(device) for m in mems]}
+
