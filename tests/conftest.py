@@ -3,8 +3,8 @@ import sys
 
 import torch
 
-# Helpers (the float64 reference, HF adapters) live beside the tests; pytest runs with
-# --import-mode=importlib, so put this folder on sys.path for them.
+# The shared cases and references are the package tests/helpers (test modules never import each
+# other); pytest runs with --import-mode=importlib, which adds nothing to sys.path, so put tests/ there.
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter; it must be chosen before any

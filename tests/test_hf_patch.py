@@ -9,17 +9,13 @@ import typing
 import pytest
 import torch
 import transformers
-from hf_utils import SMALL, rel_err, twins
+from helpers.compare import rel_err
+from helpers.models import SMALL, hf_model, twins
 from transformers.models.xlnet import modeling_xlnet
 
 import xlnet_fast
 
 B, L = 2, 9
-
-
-def hf_model(name, seed=0, **overrides):
-    torch.manual_seed(seed)
-    return getattr(transformers, name)(transformers.XLNetConfig(**{**SMALL, **overrides})).eval()
 
 
 def inputs(two_stream=False):

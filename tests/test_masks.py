@@ -1,29 +1,12 @@
 """Rank masks equal the original XLNet masks."""
 
 import torch
+from helpers.reference import original_local_perm
 
 from xlnet_fast import INT32_MAX, INT32_MIN, local_perm
 from xlnet_fast.masks import block_padding, with_memory
 
 SEP, CLS = 4, 3
-
-
-def original_local_perm(inputs, is_masked, perm_size, order):
-    """The original `_local_perm` (TF), transcribed op by op, with a given row shuffle `order`."""
-    seq_len = inputs.shape[0]
-    index = torch.arange(seq_len)
-    index = index.reshape(-1, perm_size).T
-    index = index[order]  # tf.random_shuffle over the first dim
-    index = index.T.reshape(-1)
-    non_func_tokens = ~((inputs == SEP) | (inputs == CLS))
-    non_mask_tokens = (~is_masked) & non_func_tokens
-    masked_or_func_tokens = ~non_mask_tokens
-    smallest_index = -torch.ones(seq_len, dtype=torch.long)
-    rev_index = torch.where(non_mask_tokens, smallest_index, index)
-    target_tokens = masked_or_func_tokens & non_func_tokens
-    self_rev_index = torch.where(target_tokens, rev_index, rev_index + 1)
-    perm_mask = (self_rev_index[:, None] <= rev_index[None, :]) & masked_or_func_tokens
-    return perm_mask, target_tokens
 
 
 def dense_from_ranks(q_rank, k_rank, self_visible):
@@ -43,7 +26,7 @@ def test_ranks_equal_original_perm_mask_and_non_target_mask():
         q_rank, k_rank, is_target = local_perm(inputs, is_masked, perm_size, SEP, CLS,
                                                generator=torch.Generator().manual_seed(seed))
         order = torch.randperm(perm_size, generator=torch.Generator().manual_seed(seed))
-        perm_mask, target = original_local_perm(inputs, is_masked, perm_size, order)
+        perm_mask, target = original_local_perm(inputs, is_masked, perm_size, order, SEP, CLS)
         assert torch.equal(is_target, target)
         assert torch.equal(dense_from_ranks(q_rank, k_rank, self_visible=False), perm_mask)
         # content stream: original non_tgt_mask = perm_mask with the diagonal cleared

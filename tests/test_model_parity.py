@@ -3,7 +3,8 @@
 import pytest
 import torch
 import transformers
-from hf_utils import SMALL, rel_err, twins
+from helpers.compare import rel_err
+from helpers.models import SMALL, token_ids, twins
 
 import xlnet_fast
 from xlnet_fast import XLNetConfig, local_perm
@@ -13,7 +14,7 @@ B, L = 2, 7
 
 
 def ids(seed=0, batch=B, length=L):
-    return torch.randint(9, SMALL["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(seed))
+    return token_ids(batch, length, seed)
 
 
 def one_hot_targets(positions, batch=B, length=L):

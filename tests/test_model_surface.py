@@ -1,27 +1,35 @@
-"""The conventions users rely on: clear errors naming the argument, what transformers accepts and
-ignores, loading in eval mode with config overrides."""
+"""The model's surface, the conventions users rely on: clear errors naming the argument, what
+transformers accepts and ignores, edge cases that stay finite, loading in eval mode with config
+overrides, broken checkpoint files reported by name."""
 
 import logging
 
 import pytest
 import torch
 import transformers
-from hf_utils import SMALL, rel_err, twins
+from helpers.compare import rel_err
+from helpers.models import SMALL, token_ids, twins
 
 import xlnet_fast
-from xlnet_fast import XLNetConfig, XLNetModel
+from xlnet_fast import XLNetConfig, XLNetLMHeadModel, XLNetModel
 
 B, L = 2, 6
 
 
 def ids(seed=0):
-    return torch.randint(9, SMALL["vocab_size"], (B, L), generator=torch.Generator().manual_seed(seed))
+    return token_ids(B, L, seed)
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
     return XLNetModel(XLNetConfig(**SMALL, attn_backend="eager")).eval()
+
+
+@pytest.fixture(scope="module")
+def lm_model():
+    torch.manual_seed(0)
+    return XLNetLMHeadModel(XLNetConfig(**SMALL, attn_backend="eager")).eval()
 
 
 def ranks():
@@ -57,6 +65,43 @@ def test_inputs_embeds_of_another_dtype_is_a_type_error(model):
 def test_unknown_keyword_is_a_type_error_naming_it(model):
     with pytest.raises(TypeError, match=r"unexpected keyword arguments: \['attn_mask'\]"):
         model(ids(), attn_mask=torch.ones(B, L))
+
+
+BAD_INPUTS = [
+    (dict(input_ids=torch.full((B, L), 50)), ValueError, r"input_ids must be in \[0, vocab_size=50\)"),
+    (dict(input_ids=torch.full((B, L), -1)), ValueError, "input_ids must be in"),
+    (dict(input_ids=torch.ones(B, L)), TypeError, "input_ids must be an integer tensor"),
+    (dict(input_ids=torch.ones(B, L, 2, dtype=torch.long)), ValueError, "input_ids must be"),
+    (dict(perm_mask=torch.zeros(B, L, L + 1)), ValueError, "perm_mask must have shape"),
+    (dict(target_mapping=torch.zeros(B, 2, L + 1)), ValueError, "target_mapping must have shape"),
+    (dict(token_type_ids=torch.zeros(B, L + 1, dtype=torch.long)), ValueError, "token_type_ids must have shape"),
+    (dict(token_type_ids=torch.zeros(B, L)), TypeError, "token_type_ids must be an integer"),
+    (dict(attention_mask=torch.ones(B + 1, L)), ValueError, "attention_mask must have shape"),
+    (dict(attention_mask=torch.ones(B, L), input_mask=torch.zeros(B, L)), ValueError, "only one of"),
+    (dict(mems=[torch.zeros(3, B, 32)]), ValueError, "one tensor per layer"),
+    (dict(mems=[torch.zeros(3, B + 1, 32)] * 2), ValueError, r"mems\[0\] must be"),
+    (dict(mems=[torch.zeros(3, B, 31)] * 2), ValueError, r"mems\[0\] must be"),
+    (dict(mems=[torch.zeros(3, B, 32), torch.zeros(4, B, 32)]), ValueError, r"mems\[1\] has mlen"),
+    (dict(attention_mask=torch.ones(B, L, device="meta")), ValueError, "attention_mask is on meta"),
+    (dict(q_rank=torch.zeros(B, L, dtype=torch.int32)), ValueError, "given together"),
+    (dict(target_pos=torch.zeros(B, 2, dtype=torch.long), target_mapping=torch.zeros(B, 2, L)), ValueError,
+     "either target_mapping or target_pos"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_INPUTS)
+def test_model_rejects_bad_input_naming_the_argument(lm_model, kwargs, exc, match):
+    kwargs = dict(kwargs)
+    x = kwargs.pop("input_ids", ids())
+    with pytest.raises(exc, match=match):
+        lm_model(x, **kwargs)
+
+
+def test_inputs_embeds_checked(lm_model):
+    with pytest.raises(ValueError, match="inputs_embeds must be"):
+        lm_model(inputs_embeds=torch.zeros(B, L, 7))
+    with pytest.raises(ValueError, match="either input_ids or inputs_embeds"):
+        lm_model()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +211,47 @@ def test_target_pos_with_output_attentions_on_triton():
 
 
 # ---------------------------------------------------------------------------------------------
-# from_pretrained
+# Edge cases stay finite
+# ---------------------------------------------------------------------------------------------
+
+
+def _finite(*tensors):
+    return all(torch.isfinite(t).all() for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_no_nan_with_padding_rows_and_fully_blocked_targets(backend, dtype):
+    torch.manual_seed(0)
+    cfg = dict(SMALL, n_layer=1, d_model=32, n_head=2)
+    m = XLNetLMHeadModel(XLNetConfig(**cfg, attn_backend=backend)).to(dtype)
+    x = ids()
+    am = torch.ones(B, L)
+    am[1] = 0  # a batch row that is all padding
+    # every token a target and the first in the order sees nothing: q_rank 0 blocks all keys
+    q_rank = torch.arange(L, dtype=torch.int32).expand(B, L).contiguous()
+    k_rank = q_rank.clone()
+    target_pos = torch.arange(L).expand(B, L)
+    out = m(x, attention_mask=am, q_rank=q_rank, k_rank=k_rank, target_pos=target_pos,
+            labels=x, token_type_ids=torch.zeros(B, L, dtype=torch.long))
+    out.loss.backward()
+    assert _finite(out.logits.float(), out.loss)
+    assert all(_finite(p.grad.float()) for p in m.parameters() if p.grad is not None)
+
+
+def test_long_sequence_eager_bf16_is_finite():
+    torch.manual_seed(0)
+    m = XLNetModel(XLNetConfig(**dict(SMALL, n_layer=1), attn_backend="eager")).to(torch.bfloat16)
+    x = torch.randint(9, 50, (1, 1024))
+    am = torch.ones(1, 1024)
+    am[:, :300] = 0
+    out = m(x, attention_mask=am).last_hidden_state
+    out.float().square().mean().backward()
+    assert _finite(out.float())
+
+
+# ---------------------------------------------------------------------------------------------
+# from_pretrained: eval mode, overrides, broken files named
 # ---------------------------------------------------------------------------------------------
 
 
@@ -216,3 +301,52 @@ def test_from_pretrained_mismatched_weights_are_reported(classifier_dir, caplog)
         xlnet_fast.XLNetForSequenceClassification.from_pretrained(classifier_dir, num_labels=4,
                                                                   ignore_mismatched_sizes=True)
     assert "logits_proj.weight" in caplog.text and "newly initialised" in caplog.text
+
+
+def test_truncated_safetensors_names_the_file(lm_model, tmp_path):
+    lm_model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors.*truncated or corrupted"):
+        XLNetLMHeadModel.from_pretrained(tmp_path)
+
+
+def test_corrupted_pytorch_bin_names_the_file(lm_model, tmp_path):
+    lm_model.config.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="pytorch_model.bin"):
+        XLNetLMHeadModel.from_pretrained(tmp_path)
+
+
+def test_missing_and_unexpected_keys_reported_by_name(lm_model, tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    lm_model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in lm_model.state_dict().items()
+             if "mask_emb" not in k and k != "lm_loss.weight"}
+    state["transformer.extra.weight"] = torch.zeros(2)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING):
+        XLNetLMHeadModel.from_pretrained(tmp_path)
+    text = caplog.text
+    assert "transformer.mask_emb" in text and "transformer.extra.weight" in text
+
+
+def test_wrong_shape_weight_is_an_error(lm_model, tmp_path):
+    from safetensors.torch import save_file
+
+    lm_model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in lm_model.state_dict().items() if k != "lm_loss.weight"}
+    state["transformer.mask_emb"] = torch.zeros(1, 1, 7)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="transformer.mask_emb has shape"):
+        XLNetLMHeadModel.from_pretrained(tmp_path)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        XLNetLMHeadModel.from_pretrained(tmp_path)
+    XLNetConfig(**SMALL).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors or pytorch_model.bin"):
+        XLNetLMHeadModel.from_pretrained(tmp_path)

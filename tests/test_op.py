@@ -1,4 +1,5 @@
-"""rel_attention (eager backend) against the float64 reference with the literal rel_shift."""
+"""rel_attention (eager backend) against the float64 reference with the literal rel_shift; the op's
+contract: dropout, scale, torch.compile, opcheck, bad input, backend choice, the two-stream call."""
 
 import math
 import os
@@ -7,66 +8,19 @@ import sys
 
 import pytest
 import torch
+from helpers.attention import ARG_NAMES, F64, GRAD_NAMES, eager_attention, grads, make_case
+from helpers.compare import rel_err
+from helpers.reference import reference_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from xlnet_reference import reference_attention
 
 import xlnet_fast
 from xlnet_fast import INT32_MAX, INT32_MIN, rel_attention
 
-F64 = torch.float64
 
-
-def make_case(B=2, M=5, H=2, D=4, mlen=3, qlen=None, Br=1, R=None, seg=True, mask=None,
-              self_visible=True, q_pos=None, dtype=F64, seed=0):
-    """Random inputs and keyword arguments for one call."""
-    g = torch.Generator().manual_seed(seed)
-    qlen = M if qlen is None else qlen
-    K = mlen + qlen
-    R = K + qlen if R is None else R
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
-
-    tensors = [rnd(B, M, H, D), rnd(B, K, H, D), rnd(B, K, H, D), rnd(Br, R, H, D), rnd(H, D), rnd(H, D)]
-    kw = dict(qlen=qlen, self_visible=self_visible)
-    if q_pos is not None:
-        kw["q_pos"] = q_pos
-    if seg:
-        k_seg = torch.randint(0, 3, (B, K), generator=g)
-        k_seg[:, :mlen] = 0
-        q_seg = k_seg[:, mlen:][:, :M] if q_pos is None else k_seg[:, mlen:].gather(1, q_pos.clamp(min=0))
-        kw.update(r_s_bias=rnd(H, D), seg_embed=rnd(2, H, D), q_seg=q_seg, k_seg=k_seg)
-    if mask == "dense":
-        kw["attn_mask"] = torch.rand(B, M, K, generator=g) < 0.4
-    elif mask == "rank":
-        kw["q_rank"] = torch.randint(0, 5, (B, M), generator=g, dtype=torch.int32)
-        k_rank = torch.randint(0, 5, (B, K), generator=g, dtype=torch.int32)
-        k_rank[:, :mlen] = INT32_MIN
-        kw["k_rank"] = k_rank
-    return tensors, kw
-
-
-def run_both(tensors, kw):
-    ours = rel_attention(*tensors, **kw, backend="eager")
-    ref = reference_attention(*tensors, **{k: v for k, v in kw.items()})
-    return ours, ref
-
-
-GRAD_NAMES = ["q", "k", "v", "k_r", "r_w_bias", "r_r_bias", "r_s_bias", "seg_embed"]
-
-
-def grads(fn, tensors, kw, dout):
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
-    kw = dict(kw)
-    if "r_s_bias" in kw:
-        seg_leaves = [kw["r_s_bias"].detach().clone().requires_grad_(),
-                      kw["seg_embed"].detach().clone().requires_grad_()]
-        kw["r_s_bias"], kw["seg_embed"] = seg_leaves
-        leaves += seg_leaves
-    out = fn(*leaves[:6], **kw)
-    gs = torch.autograd.grad((out * dout).sum(), leaves, allow_unused=True)
-    return out, [torch.zeros_like(x) if g is None else g for g, x in zip(gs, leaves)]
+def run_both(case):
+    """(eager output, float64 reference output) on ``case``."""
+    return case.call(eager_attention), case.call(reference_attention)
 
 
 CASES = {
@@ -87,10 +41,10 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_and_grads_match_float64_reference(name):
-    tensors, kw = make_case(**CASES[name])
-    dout = torch.randn(tensors[0].shape, dtype=F64)
-    out, g_ours = grads(lambda *a, **k: rel_attention(*a, **k, backend="eager"), tensors, kw, dout)
-    ref, g_ref = grads(reference_attention, tensors, kw, dout)
+    case = make_case(**CASES[name])
+    dout = torch.randn(case.q.shape, dtype=F64)
+    out, g_ours = grads(eager_attention, case, dout)
+    ref, g_ref = grads(reference_attention, case, dout)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for n, a, b in zip(GRAD_NAMES, g_ours, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"grad {n}")
@@ -98,29 +52,27 @@ def test_forward_and_grads_match_float64_reference(name):
 
 def test_hf_seq_first_views_work():
     """HF keeps (len, B, H, D) tensors; permuted views with a contiguous last dim are accepted."""
-    tensors, kw = make_case(seg=False)
-    seq_first = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in tensors[:4]]
-    assert not seq_first[0].is_contiguous()
-    out, ref = run_both(seq_first + tensors[4:], kw)
+    seq_first = make_case(seg=False).seq_first_views()
+    assert not seq_first.q.is_contiguous()
+    out, ref = run_both(seq_first)
     torch.testing.assert_close(out, ref)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 def test_low_precision_matches_reference(dtype, tol):
-    tensors, kw = make_case(mask="rank", dtype=dtype)
-    kw_ref = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
-    out = rel_attention(*tensors, **kw, backend="eager")
+    case = make_case(mask="rank", dtype=dtype)
+    out = case.call(eager_attention)
     assert out.dtype == dtype
-    ref = reference_attention(*[t.double() for t in tensors], **kw_ref)
-    assert (out.double() - ref).norm() / ref.norm() < tol
+    ref = case.to(dtype=F64).call(reference_attention)
+    assert rel_err(out, ref) < tol
 
 
 def test_fully_blocked_rows_give_zero_output_and_finite_grads():
-    tensors, kw = make_case(mask="rank", self_visible=False, mlen=0)
-    kw["q_rank"][0, 1] = INT32_MIN  # row sees nothing
-    kw["k_rank"][1] = INT32_MAX  # whole batch row sees nothing
-    dout = torch.randn(tensors[0].shape, dtype=F64)
-    out, g = grads(lambda *a, **k: rel_attention(*a, **k, backend="eager"), tensors, kw, dout)
+    case = make_case(mask="rank", self_visible=False, mlen=0)
+    case.q_rank[0, 1] = INT32_MIN  # row sees nothing
+    case.k_rank[1] = INT32_MAX  # whole batch row sees nothing
+    dout = torch.randn(case.q.shape, dtype=F64)
+    out, g = grads(eager_attention, case, dout)
     assert torch.all(out[0, 1] == 0) and torch.all(out[1] == 0)
     assert all(torch.isfinite(x).all() for x in g)
     assert torch.all(g[0][0, 1] == 0)  # dq of the blocked row
@@ -128,15 +80,15 @@ def test_fully_blocked_rows_give_zero_output_and_finite_grads():
 
 def test_padding_query_rows_are_zero():
     q_pos = torch.tensor([[-1, 0, 2], [1, -1, -1]])
-    tensors, kw = make_case(M=3, qlen=4, q_pos=q_pos)
-    out, ref = run_both(tensors, kw)
+    out, ref = run_both(make_case(M=3, qlen=4, q_pos=q_pos))
     assert torch.all(out[0, 0] == 0) and torch.all(out[1, 1:] == 0)
     torch.testing.assert_close(out, ref)
 
 
 def test_dropout_is_reproducible_and_its_gradient_is_exact():
-    tensors, kw = make_case(seg=False, mask="rank")
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    case = make_case(seg=False, mask="rank")
+    kw = case.kwargs()
+    leaves = [t.detach().clone().requires_grad_() for t in case.args()]
 
     def f(*xs):
         torch.manual_seed(1234)  # the op draws its dropout seed from torch's RNG
@@ -162,17 +114,18 @@ def test_dropout_keeps_expectation():
 
 
 def test_default_scale_is_inverse_sqrt_d():
-    tensors, kw = make_case(seg=False)
-    a = rel_attention(*tensors, **kw, backend="eager")
-    b = rel_attention(*tensors, **kw, scale=1 / math.sqrt(tensors[0].shape[-1]), backend="eager")
-    c = rel_attention(*tensors, **kw, scale=0.1, backend="eager")
+    case = make_case(seg=False)
+    a = case.call(eager_attention)
+    b = case.call(eager_attention, scale=1 / math.sqrt(case.q.shape[-1]))
+    c = case.call(eager_attention, scale=0.1)
     torch.testing.assert_close(a, b)
     assert not torch.allclose(a, c)
 
 
 def test_torch_compile_traces_without_graph_breaks():
-    tensors, kw = make_case(mask="rank", dtype=torch.float32)
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    case = make_case(mask="rank", dtype=torch.float32)
+    kw = case.kwargs()
+    leaves = [t.detach().clone().requires_grad_() for t in case.args()]
 
     def f(*xs):
         return rel_attention(*xs, **kw, backend="eager").sum()
@@ -186,9 +139,11 @@ def test_torch_compile_traces_without_graph_breaks():
 
 
 def test_library_op_passes_opcheck():
-    tensors, kw = make_case(mask="rank", dtype=torch.float32)
-    args = tensors + [kw["r_s_bias"], kw["seg_embed"], kw["q_seg"], kw["k_seg"], None,
-                      kw["q_rank"], kw["k_rank"], None, kw["qlen"], 3, False, 0.5, 0.0, None, "eager"]
+    c = make_case(mask="rank", dtype=torch.float32)
+    # the registered op takes every argument positionally; attn_mask and q_pos are None, then
+    # self_rows=3, rows_cover_qlen=False, scale=0.5, dropout_p=0.0, seed=None, backend
+    args = c.args() + [c.r_s_bias, c.seg_embed, c.q_seg, c.k_seg, None,
+                       c.q_rank, c.k_rank, None, c.qlen, 3, False, 0.5, 0.0, None, "eager"]
     args[0] = args[0].requires_grad_()
     torch.library.opcheck(torch.ops.xlnet_fast.rel_attention.default, args)
 
@@ -208,17 +163,15 @@ def test_fuzz_against_reference(B, H, D, qlen, mlen, targets, mask, self_visible
     if targets:
         M = int(torch.randint(1, qlen + 1, (), generator=g))
         q_pos = torch.randint(-1, qlen, (B, M), generator=g)
-    tensors, kw = make_case(B=B, M=M, H=H, D=D, mlen=mlen, qlen=qlen, Br=B if per_batch else 1,
-                            R=K + 1 if uni else None, seg=seg, mask=mask, self_visible=self_visible,
-                            q_pos=q_pos, seed=seed)
-    dout = torch.randn(tensors[0].shape, dtype=F64, generator=g)
-    ref, g_ref = grads(reference_attention, tensors, kw, dout)
+    case = make_case(B=B, M=M, H=H, D=D, mlen=mlen, qlen=qlen, Br=B if per_batch else 1, R=K + 1 if uni else None,
+                     seg=seg, mask=mask, self_visible=self_visible, q_pos=q_pos, seed=seed)
+    dout = torch.randn(case.q.shape, dtype=F64, generator=g)
+    ref, g_ref = grads(reference_attention, case, dout)
     if fp32:  # dtype: float32 against the float64 reference
-        tensors = [t.float() for t in tensors]
-        kw = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
+        case = case.to(dtype=torch.float32)
     if seq_first:  # strides: HF's (len, B, H, D) tensors passed as permuted views
-        tensors = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in tensors[:4]] + tensors[4:]
-    out, g_ours = grads(lambda *a, **k: rel_attention(*a, **k, backend="eager"), tensors, kw, dout.to(tensors[0].dtype))
+        case = case.seq_first_views()
+    out, g_ours = grads(eager_attention, case, dout.to(case.q.dtype))
     tol = 1e-4 if fp32 else 1e-8
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     for n, a, b in zip(GRAD_NAMES, g_ours, g_ref):
@@ -231,76 +184,90 @@ def test_fuzz_against_reference(B, H, D, qlen, mlen, targets, mask, self_visible
 
 
 def _base():
-    tensors, kw = make_case(seg=False, dtype=torch.float32)
-    return tensors, kw
+    return make_case(seg=False, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("mutate,exc,match", [
-    (lambda t, kw: t.__setitem__(1, t[1][:, :, :1]), ValueError, "k must have shape"),
-    (lambda t, kw: t.__setitem__(2, t[2][:, :-1]), ValueError, "v must have shape"),
-    (lambda t, kw: t.__setitem__(3, t[3][:, :5]), ValueError, "k_r needs at least"),
-    (lambda t, kw: t.__setitem__(3, t[3].expand(3, -1, -1, -1)), ValueError, "k_r must have batch dim"),
-    (lambda t, kw: t.__setitem__(4, t[4].double()), TypeError, "r_w_bias must have dtype"),
-    (lambda t, kw: t.__setitem__(0, t[0].int()), TypeError, "q must be"),
-    (lambda t, kw: t.__setitem__(0, t[0].repeat_interleave(2, -1)[..., ::2]), ValueError, "contiguous last dim"),
-    (lambda t, kw: kw.update(attn_mask=torch.zeros(2, 5, 8, dtype=torch.bool),
-                             q_rank=torch.zeros(2, 5, dtype=torch.int32),
-                             k_rank=torch.zeros(2, 8, dtype=torch.int32)), ValueError, "not both"),
-    (lambda t, kw: kw.update(q_rank=torch.zeros(2, 5, dtype=torch.int32)), ValueError, "together"),
-    (lambda t, kw: kw.update(attn_mask=torch.zeros(2, 5, 8)), TypeError, "attn_mask must have dtype"),
-    (lambda t, kw: kw.update(q_rank=torch.zeros(2, 5, dtype=torch.int64),
-                             k_rank=torch.zeros(2, 8, dtype=torch.int64)), TypeError, "q_rank"),
-    (lambda t, kw: kw.update(q_seg=torch.zeros(2, 5, dtype=torch.long)), ValueError, "segment term"),
-    (lambda t, kw: kw.update(qlen=9), ValueError, "qlen must be"),
-    (lambda t, kw: kw.update(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2)), ValueError, "q_pos values"),
-    (lambda t, kw: kw.update(dropout_p=1.0), ValueError, "dropout_p"),
-    (lambda t, kw: kw.update(backend="cuda"), ValueError, "backend must be"),
-    (lambda t, kw: kw.update(self_visible=1), TypeError, "self_visible"),
+BAD_INPUTS = [  # (change to the inputs or None, call options, error, message)
+    (lambda c: c.replace(k=c.k[:, :, :1]), {}, ValueError, "k must have shape"),
+    (lambda c: c.replace(v=c.v[:, :-1]), {}, ValueError, "v must have shape"),
+    (lambda c: c.replace(k_r=c.k_r[:, :5]), {}, ValueError, "k_r needs at least"),
+    (lambda c: c.replace(k_r=c.k_r.expand(3, -1, -1, -1)), {}, ValueError, "k_r must have batch dim"),
+    (lambda c: c.replace(r_w_bias=c.r_w_bias.double()), {}, TypeError, "r_w_bias must have dtype"),
+    (lambda c: c.replace(q=c.q.int()), {}, TypeError, "q must be"),
+    (lambda c: c.replace(q=c.q.repeat_interleave(2, -1)[..., ::2]), {}, ValueError, "contiguous last dim"),
+    (lambda c: c.replace(attn_mask=torch.zeros(2, 5, 8, dtype=torch.bool),
+                         q_rank=torch.zeros(2, 5, dtype=torch.int32),
+                         k_rank=torch.zeros(2, 8, dtype=torch.int32)), {}, ValueError, "not both"),
+    (lambda c: c.replace(q_rank=torch.zeros(2, 5, dtype=torch.int32)), {}, ValueError, "together"),
+    (lambda c: c.replace(attn_mask=torch.zeros(2, 5, 8)), {}, TypeError, "attn_mask must have dtype"),
+    (lambda c: c.replace(q_rank=torch.zeros(2, 5, dtype=torch.int64),
+                         k_rank=torch.zeros(2, 8, dtype=torch.int64)), {}, TypeError, "q_rank"),
+    (lambda c: c.replace(q_seg=torch.zeros(2, 5, dtype=torch.long)), {}, ValueError, "segment term"),
+    (lambda c: c.replace(qlen=9), {}, ValueError, "qlen must be"),
+    (lambda c: c.replace(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2)), {}, ValueError, "q_pos values"),
+    (None, dict(dropout_p=1.0), ValueError, "dropout_p"),
+    (None, dict(backend="cuda"), ValueError, "backend must be"),
+    (lambda c: c.replace(self_visible=1), {}, TypeError, "self_visible"),
     # regressions (issue 10 item 10): these used to raise from deep inside or be accepted
-    (lambda t, kw: [t.__setitem__(i, t[i][..., :0]) for i in range(6)], ValueError, "head dim"),
-    (lambda t, kw: kw.update(scale=float("nan")), ValueError, "scale must be finite"),
-    (lambda t, kw: kw.update(scale=float("inf")), ValueError, "scale must be finite"),
-])
-def test_bad_input_raises_naming_the_argument(mutate, exc, match):
-    tensors, kw = _base()
-    mutate(tensors, kw)
+    (lambda c: c.replace(**{n: getattr(c, n)[..., :0] for n in ARG_NAMES}), {}, ValueError, "head dim"),
+    (None, dict(scale=float("nan")), ValueError, "scale must be finite"),
+    (None, dict(scale=float("inf")), ValueError, "scale must be finite"),
+]
+
+
+@pytest.mark.parametrize("change,options,exc,match", BAD_INPUTS,
+                         ids=[f"{exc.__name__}-{match}" for _, _, exc, match in BAD_INPUTS])
+def test_bad_input_raises_naming_the_argument(change, options, exc, match):
+    case = _base() if change is None else change(_base())
     with pytest.raises(exc, match=match):
-        rel_attention(*tensors, **kw)
+        case.call(rel_attention, **options)
 
 
 def test_forced_triton_backend_never_falls_back(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    tensors, kw = _base()
     with pytest.raises(RuntimeError, match="triton"):
-        rel_attention(*tensors, **kw, backend="triton")
+        _base().call(rel_attention, backend="triton")
 
 
 def test_auto_backend_is_eager_on_cpu():
     assert xlnet_fast.attention.resolve_backend("auto", torch.device("cpu")) == "eager"
 
 
+def test_eager_out_of_memory_points_to_triton(monkeypatch):
+    from xlnet_fast.attention import eager
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(eager, "forward", oom)
+    q = torch.randn(1, 4, 1, 8)
+    with pytest.raises(torch.OutOfMemoryError, match="backend='triton'"):
+        xlnet_fast.rel_attention(q, q, q, torch.randn(1, 8, 1, 8), torch.zeros(1, 8), torch.zeros(1, 8),
+                                 backend="eager")
+
+
 @pytest.mark.parametrize("mask", [None, "rank", "dense"])
 def test_two_stream_equals_two_calls(mask):
     B, L, P, H, D, mlen = 2, 7, 3, 2, 4, 2
-    tensors, kw = make_case(B=B, M=L, H=H, D=D, mlen=mlen, mask=mask)
-    q_h = tensors[0]
+    case = make_case(B=B, M=L, H=H, D=D, mlen=mlen, mask=mask)
+    q_h = case.q
     q_g = torch.randn(B, P, H, D, dtype=F64)
     target_pos = torch.tensor([[6, 0, 3], [2, -1, 5]])
     rows = target_pos.clamp(min=0)
-    rest = tensors[1:]
-    common = {k: kw[k] for k in ("r_s_bias", "seg_embed", "k_seg")}
-    h_kw = dict(common, q_seg=kw["q_seg"])
-    g_kw = dict(common, q_seg=kw["q_seg"].gather(1, rows), q_pos=target_pos, qlen=L)
-    joint_kw = dict(common, q_seg=kw["q_seg"], target_pos=target_pos)
+    rest = case.args()[1:]
+    common = dict(r_s_bias=case.r_s_bias, seg_embed=case.seg_embed, k_seg=case.k_seg)
+    h_kw = dict(common, q_seg=case.q_seg)
+    g_kw = dict(common, q_seg=case.q_seg.gather(1, rows), q_pos=target_pos, qlen=L)
+    joint_kw = dict(common, q_seg=case.q_seg, target_pos=target_pos)
     if mask == "rank":
-        h_kw.update(q_rank=kw["q_rank"], k_rank=kw["k_rank"])
-        g_kw.update(q_rank=kw["q_rank"].gather(1, rows), k_rank=kw["k_rank"], self_visible=False)
-        joint_kw.update(q_rank=kw["q_rank"], k_rank=kw["k_rank"])
+        h_kw.update(q_rank=case.q_rank, k_rank=case.k_rank)
+        g_kw.update(q_rank=case.q_rank.gather(1, rows), k_rank=case.k_rank, self_visible=False)
+        joint_kw.update(q_rank=case.q_rank, k_rank=case.k_rank)
     if mask == "dense":
         mask_g = torch.rand(B, P, L + mlen) < 0.3
-        h_kw.update(attn_mask=kw["attn_mask"])
+        h_kw.update(attn_mask=case.attn_mask)
         g_kw.update(attn_mask=mask_g)
-        joint_kw.update(attn_mask=kw["attn_mask"], attn_mask_g=mask_g)
+        joint_kw.update(attn_mask=case.attn_mask, attn_mask_g=mask_g)
     out_h, out_g = xlnet_fast.rel_attention_two_stream(q_h, q_g, *rest, **joint_kw, backend="eager")
     torch.testing.assert_close(out_h, rel_attention(q_h, *rest, **h_kw, backend="eager"))
     torch.testing.assert_close(out_g, rel_attention(q_g, *rest, **g_kw, backend="eager"))
@@ -308,22 +275,21 @@ def test_two_stream_equals_two_calls(mask):
 
 def test_attention_probabilities_keeps_an_explicit_zero_scale():
     # regression: scale=0.0 was replaced by the default 1/sqrt(D) (`or`), so rows were not uniform
-    tensors, kw = _base()
-    probs = xlnet_fast.attention.attention_probabilities(*tensors, scale=0.0)
+    probs = xlnet_fast.attention.attention_probabilities(*_base().args(), scale=0.0)
     assert torch.allclose(probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
 
 
 def test_q_pos_out_of_range_is_caught_under_torch_compile():
     # regression: the q_pos < qlen check was skipped under torch.compile (garbage, no error)
-    tensors, kw = _base()
-    kw.update(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2))
+    case = _base().replace(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2))
+    kw = case.kwargs()
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def call(*xs):
         return rel_attention(*xs, **kw)
 
     with pytest.raises(RuntimeError, match="q_pos"):
-        call(*tensors)
+        call(*case.args())
 
 
 def test_cpu_calls_without_the_interpreter_leave_the_kernels_unimported():

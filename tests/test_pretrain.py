@@ -6,34 +6,24 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from helpers.pretraining import WORDS, pretrain_command, train_config, write_corpus
+from helpers.reference import original_local_perm
 from safetensors.torch import load_file
 
 from xlnet_fast import XLNetLMHeadModel
 from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
 from xlnet_fast.pretrain.tokenizer import CLS_ID, SEP_ID, train_tokenizer
-from xlnet_fast.pretrain import TrainConfig, pretrain
-
-WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
-         "spirit moved waters said let there be day night evening morning first second firmament").split()
+from xlnet_fast.pretrain import pretrain
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = random.Random(0)
-    path = d / "text.txt"
-    with open(path, "w") as f:
-        for doc in range(40):
-            for _ in range(30):
-                f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
-            f.write("\n")
-    return str(path)
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +31,9 @@ def tok(corpus, tmp_path_factory):
     return train_tokenizer(iter_lines([corpus]), 120, tmp_path_factory.mktemp("tok"))
 
 
-def small_cfg(tmp_path, corpus, **kw):
-    base = dict(preset="tiny", data=[corpus], out=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
-                vocab_size=120, seq_len=32, reuse_len=16, mem_len=16, num_predict=6, perm_size=8,
-                batch_size=4, steps=6, progress=False, backend="eager")
-    base.update(kw)
-    return TrainConfig(**base)
-
-
 def test_record_ranks_equal_original_joined_perm_mask():
     """Against the original: _local_perm on each half, then perm_mask_0 padded with ones (the reuse
     half cannot see the rest) and perm_mask_1 with zeros (the rest sees the reuse half)."""
-    from test_masks import original_local_perm
-
     rng = np.random.default_rng(0)
     L, reuse, ps = 24, 8, 4
     tokens = rng.integers(9, 50, L)
@@ -65,8 +45,8 @@ def test_record_ranks_equal_original_joined_perm_mask():
               for _ in range(2)]
     t = torch.from_numpy(tokens)
     m = torch.from_numpy(is_masked)
-    pm0, tgt0 = original_local_perm(t[:reuse], m[:reuse], ps, orders[0])
-    pm1, tgt1 = original_local_perm(t[reuse:], m[reuse:], ps, orders[1])
+    pm0, tgt0 = original_local_perm(t[:reuse], m[:reuse], ps, orders[0], SEP_ID, CLS_ID)
+    pm1, tgt1 = original_local_perm(t[reuse:], m[reuse:], ps, orders[1], SEP_ID, CLS_ID)
     expected = torch.cat([torch.cat([pm0, torch.ones(reuse, L - reuse, dtype=torch.bool)], 1),
                           torch.cat([torch.zeros(L - reuse, reuse, dtype=torch.bool), pm1], 1)])
     blocked = torch.from_numpy(~(k[None, :] < q[:, None]))
@@ -139,7 +119,7 @@ def test_token_cache_is_keyed_by_content(tok, tmp_path):
 
 
 def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):
-    res = pretrain(small_cfg(tmp_path, corpus, steps=25, lr=3e-3, dropout=0.0))
+    res = pretrain(train_config(tmp_path / "run", corpus, tmp_path / "cache", steps=25, lr=3e-3, dropout=0.0))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, 26))
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
@@ -152,7 +132,7 @@ def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):
 
 
 def test_exact_resume(corpus, tmp_path):
-    full = small_cfg(tmp_path, corpus, steps=6, save_every=3, keep=5)
+    full = train_config(tmp_path / "run", corpus, tmp_path / "cache", steps=6, save_every=3, keep=5)
     pretrain(full)
     ref = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     # a run that stopped after the step-3 checkpoint, resumed
@@ -161,7 +141,7 @@ def test_exact_resume(corpus, tmp_path):
     shutil.copytree(tmp_path / "run" / "checkpoints" / "step_0000003", other / "checkpoints" / "step_0000003")
     with open(other / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in ref[:3])
-    pretrain(small_cfg(tmp_path, corpus, steps=6, save_every=3, out=str(other), resume=True))
+    pretrain(train_config(other, corpus, tmp_path / "cache", steps=6, save_every=3, resume=True))
     got = [json.loads(line) for line in open(other / "metrics.jsonl")]
     assert [r["step"] for r in got] == list(range(1, 7))
     for a, b in zip(got, ref):
@@ -173,10 +153,7 @@ def test_exact_resume(corpus, tmp_path):
 
 
 def _cli(tmp_path, corpus, *extra):
-    return [sys.executable, "-m", "xlnet_fast", "pretrain", "--data", corpus, "--out", str(tmp_path / "run"),
-            "--cache-dir", str(tmp_path / "cache"), "--vocab-size", "120", "--seq-len", "32",
-            "--reuse-len", "16", "--mem-len", "16", "--num-predict", "6", "--perm-size", "8",
-            "--batch-size", "4", "--backend", "eager", "--no-progress", *extra]
+    return pretrain_command(tmp_path / "run", corpus, tmp_path / "cache", *extra)
 
 
 def test_sigterm_saves_and_exits_zero(corpus, tmp_path):

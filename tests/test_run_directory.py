@@ -5,7 +5,6 @@ saves non-finite weights."""
 import json
 import logging
 import os
-import random
 import shutil
 import signal
 import socket
@@ -15,24 +14,12 @@ import time
 
 import pytest
 import torch
+from helpers.pretraining import pretrain_command, train_config, write_corpus
 from safetensors.torch import load_file
 
 from xlnet_fast.pretrain import (NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
                                  load_latest_checkpoint, pretrain)
 from xlnet_fast.pretrain.run_dir import LOCK_NAME
-
-WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
-         "spirit moved waters said let there be day night evening morning first second firmament").split()
-
-
-def write_corpus(path, seed=0, docs=40):
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(docs):
-            for _ in range(30):
-                f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
-            f.write("\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +31,6 @@ def corpus(tmp_path_factory):
 def cache(tmp_path_factory):
     """Tokenizer and token shards, shared by the tests (keyed by content)."""
     return str(tmp_path_factory.mktemp("cache"))
-
-
-def cfg(out, corpus, cache, **kw):
-    base = dict(preset="tiny", data=[corpus], out=str(out), cache_dir=cache, vocab_size=120, seq_len=32,
-                reuse_len=16, mem_len=16, num_predict=6, perm_size=8, batch_size=4, steps=2, progress=False,
-                backend="eager")
-    base.update(kw)
-    return TrainConfig(**base)
 
 
 def resume_cfg(out, cache, **kw):
@@ -71,7 +50,7 @@ def names(out):
 def two_checkpoints(tmp_path_factory, corpus, cache):
     """A finished 2-step run with checkpoints at steps 1 and 2 (copied, never changed, by the tests)."""
     out = tmp_path_factory.mktemp("ref") / "run"
-    pretrain(cfg(out, corpus, cache, steps=2, save_every=1, keep=5))
+    pretrain(train_config(out, corpus, cache, steps=2, save_every=1, keep=5))
     return out
 
 
@@ -90,7 +69,7 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(two_checkpoints, corpus,
     before = {n: (out / "checkpoints" / n / "COMPLETE").read_bytes() for n in names(out)}
     metrics = (out / "metrics.jsonl").read_bytes()
     with pytest.raises(UsageError, match="already holds checkpoints.*--resume.*--overwrite"):
-        pretrain(cfg(out, corpus, cache, steps=3, save_every=1, keep=1))
+        pretrain(train_config(out, corpus, cache, steps=3, save_every=1, keep=1))
     assert {n: (out / "checkpoints" / n / "COMPLETE").read_bytes() for n in names(out)} == before
     assert (out / "metrics.jsonl").read_bytes() == metrics
     assert not (out / LOCK_NAME).exists()
@@ -99,7 +78,7 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(two_checkpoints, corpus,
 def test_overwrite_deletes_the_old_checkpoints_first(two_checkpoints, corpus, cache, tmp_path, caplog):
     out = copy_run(two_checkpoints, tmp_path / "run")
     with caplog.at_level(logging.WARNING):
-        pretrain(cfg(out, corpus, cache, steps=1, keep=1, seed=7, overwrite=True))
+        pretrain(train_config(out, corpus, cache, steps=1, keep=1, seed=7, overwrite=True))
     assert "--overwrite: deleted 2 checkpoint(s)" in caplog.text
     assert names(out) == ["step_0000001"]
     assert steps_in(out) == [1]
@@ -109,14 +88,14 @@ def test_overwrite_deletes_the_old_checkpoints_first(two_checkpoints, corpus, ca
 
 def test_resume_without_a_checkpoint_says_it_starts_from_step_0(corpus, cache, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
-        res = pretrain(cfg(tmp_path / "run", corpus, cache, steps=1, resume=True))
+        res = pretrain(train_config(tmp_path / "run", corpus, cache, steps=1, resume=True))
     assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
     assert res["step"] == 1 and steps_in(tmp_path / "run") == [1]
 
 
 def test_resume_and_overwrite_together_is_an_error(corpus, cache, tmp_path):
     with pytest.raises(UsageError, match="--resume.*--overwrite"):
-        pretrain(cfg(tmp_path / "run", corpus, cache, resume=True, overwrite=True))
+        pretrain(train_config(tmp_path / "run", corpus, cache, resume=True, overwrite=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,13 +173,13 @@ def test_live_lock_refuses_and_a_dead_owners_lock_is_taken_over(corpus, cache, t
     try:
         (out / LOCK_NAME).write_text(f"{owner.pid} {socket.gethostname()}\n")
         with pytest.raises(UsageError, match=f"in use by another run \\(pid {owner.pid}"):
-            pretrain(cfg(out, corpus, cache, steps=1))
+            pretrain(train_config(out, corpus, cache, steps=1))
         assert (out / LOCK_NAME).read_text().split()[0] == str(owner.pid)  # left alone
     finally:
         owner.kill()
         owner.wait()
     with caplog.at_level(logging.WARNING):
-        pretrain(cfg(out, corpus, cache, steps=1))
+        pretrain(train_config(out, corpus, cache, steps=1))
     assert f"took over the lock of pid {owner.pid}" in caplog.text
     assert not (out / LOCK_NAME).exists()  # released on exit
 
@@ -210,13 +189,13 @@ def test_lock_of_another_host_is_not_taken_over(corpus, cache, tmp_path):
     os.makedirs(out)
     (out / LOCK_NAME).write_text("12345 some-other-host\n")
     with pytest.raises(UsageError, match="pid 12345 on some-other-host"):
-        pretrain(cfg(out, corpus, cache, steps=1))
+        pretrain(train_config(out, corpus, cache, steps=1))
 
 
 def test_lock_is_released_when_the_run_fails(corpus, cache, tmp_path, monkeypatch):
     out = tmp_path / "run"
     with pytest.raises(UsageError):
-        pretrain(cfg(out, corpus, cache, data=[str(tmp_path / "missing.txt")]))
+        pretrain(train_config(out, corpus, cache, data=[str(tmp_path / "missing.txt")]))
     assert not (out / LOCK_NAME).exists()
 
     def explode(self):
@@ -224,27 +203,20 @@ def test_lock_is_released_when_the_run_fails(corpus, cache, tmp_path, monkeypatc
 
     monkeypatch.setattr("xlnet_fast.pretrain.loop.Trainer._train_step", explode)
     with pytest.raises(RuntimeError, match="injected fault"):
-        pretrain(cfg(out, corpus, cache))
+        pretrain(train_config(out, corpus, cache))
     assert not (out / LOCK_NAME).exists()
-
-
-def _cli(out, corpus, cache, *extra):
-    return [sys.executable, "-m", "xlnet_fast", "pretrain", "--data", corpus, "--out", str(out),
-            "--cache-dir", cache, "--vocab-size", "120", "--seq-len", "32", "--reuse-len", "16",
-            "--mem-len", "16", "--num-predict", "6", "--perm-size", "8", "--batch-size", "4",
-            "--backend", "eager", "--no-progress", *extra]
 
 
 def test_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(corpus, cache, tmp_path):
     """Fault injection: a second run on a busy --out, then SIGKILL of the first and --resume."""
     out = tmp_path / "run"
-    first = subprocess.Popen(_cli(out, corpus, cache, "--steps", "100000", "--save-every", "2"),
+    first = subprocess.Popen(pretrain_command(out, corpus, cache, "--steps", "100000", "--save-every", "2"),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and len(list_checkpoints(TrainConfig(out=str(out)))) < 1:
             time.sleep(0.2)
-        second = subprocess.run(_cli(out, corpus, cache, "--steps", "3"), capture_output=True, text=True)
+        second = subprocess.run(pretrain_command(out, corpus, cache, "--steps", "3"), capture_output=True, text=True)
         assert second.returncode == 2
         assert second.stderr.strip().splitlines()[-1].startswith("xlnet-fast: error: --out")
         assert "in use by another run" in second.stderr and "Traceback" not in second.stderr
@@ -254,8 +226,8 @@ def test_concurrent_run_is_refused_and_a_killed_runs_lock_is_taken_over(corpus, 
         first.wait()
     assert (out / LOCK_NAME).exists()  # left behind by the killed run
     step = int(names(out)[-1].split("_")[1])
-    res = subprocess.run(_cli(out, corpus, cache, "--resume", "--steps", str(step + 2)), capture_output=True,
-                         text=True)
+    res = subprocess.run(pretrain_command(out, corpus, cache, "--resume", "--steps", str(step + 2)),
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "took over the lock" in res.stderr
     assert steps_in(out) == list(range(1, step + 3))
@@ -322,6 +294,21 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(two_checkpoints, cac
     assert rows[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)  # step 2 again, exactly
 
 
+def test_corrupted_latest_training_checkpoint_falls_back(tmp_path, caplog):
+    cfg = TrainConfig(out=str(tmp_path))
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        d = root / f"step_{step:07d}"
+        os.makedirs(d)
+        torch.save({"step": step}, d / "trainer.pt")
+        (d / "COMPLETE").write_text(str(step))
+    (root / "step_0000004" / "trainer.pt").write_bytes(b"garbage")
+    os.makedirs(root / "step_0000006.tmp")  # a half-written one is never picked
+    with caplog.at_level(logging.WARNING):
+        assert load_latest_checkpoint(cfg) == str(root / "step_0000002")
+    assert "step_0000004" in caplog.text and "falling back" in caplog.text
+
+
 def test_torn_metrics_tail_is_dropped_on_resume(two_checkpoints, cache, tmp_path, caplog):
     out = copy_run(two_checkpoints, tmp_path / "run")
     with open(out / "metrics.jsonl", "a") as f:
@@ -335,7 +322,7 @@ def test_torn_metrics_tail_is_dropped_on_resume(two_checkpoints, cache, tmp_path
 def test_non_finite_loss_stops_before_saving(corpus, cache, tmp_path):
     out = tmp_path / "run"
     with pytest.raises(NonFiniteLossError, match="step 2: the loss is nan.*step_0000001"):
-        pretrain(cfg(out, corpus, cache, lr=1e30, steps=4, save_every=1))
+        pretrain(train_config(out, corpus, cache, lr=1e30, steps=4, save_every=1))
     assert names(out) == ["step_0000001"]  # the last good one stays newest
     assert steps_in(out) == [1]
     assert not (out / LOCK_NAME).exists()
@@ -353,14 +340,14 @@ def test_non_finite_weights_are_never_saved(corpus, cache, tmp_path, monkeypatch
 
     monkeypatch.setattr(torch.optim.AdamW, "step", poisoned)
     with pytest.raises(NonFiniteLossError, match="step 1: the weights are no longer finite"):
-        pretrain(cfg(tmp_path / "run", corpus, cache, steps=2, save_every=1))
+        pretrain(train_config(tmp_path / "run", corpus, cache, steps=2, save_every=1))
     assert names(tmp_path / "run") == []
 
 
 def test_mem_len_0_means_no_memory(corpus, cache, tmp_path):
     for mem_len in (0, 16):
         out = tmp_path / f"mem{mem_len}"
-        pretrain(cfg(out, corpus, cache, steps=2, mem_len=mem_len))
+        pretrain(train_config(out, corpus, cache, steps=2, mem_len=mem_len))
         mems = torch.load(out / "checkpoints" / "step_0000002" / "rank0.pt", weights_only=False)["mems"]
         if mem_len == 0:
             assert mems is None
@@ -383,7 +370,7 @@ def test_checkpoint_files_and_directories_are_fsynced_before_the_rename(corpus, 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     out = tmp_path / "run"
-    pretrain(cfg(out, corpus, cache, steps=1))
+    pretrain(train_config(out, corpus, cache, steps=1))
     final = os.path.realpath(out / "checkpoints" / "step_0000001")
     rename = events.index(("replace", final + ".tmp", final))
     synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}

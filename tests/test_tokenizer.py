@@ -1,5 +1,6 @@
-"""XLNetTokenizer's transformers-style conventions: call arguments and outputs, id/token conversion,
-decoding, input validation, and saved directories that `tokenizers`/`transformers` open the same way."""
+"""XLNetTokenizer: trained with XLNet's special ids; its transformers-style conventions (call arguments
+and outputs, id/token conversion, decoding, input validation); saved directories that
+`tokenizers`/`transformers` open the same way."""
 
 import os
 import pickle
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from xlnet_fast import XLNetTokenizer, train_tokenizer
-from xlnet_fast.pretrain.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEG_PAD, SEP_ID, BatchEncoding, precompiled_charsmap
+from xlnet_fast.pretrain.tokenizer import (CLS_ID, MASK_ID, PAD_ID, SEG_PAD, SEP_ID, SPECIAL_TOKENS, BatchEncoding,
+                                  precompiled_charsmap)
 
 WORDS = "in the beginning god created heaven and earth, light was good . day night".split()
 # Texts for the comparisons: odd spacing, unknown characters, NFKD/NFKC cases (full-width letters,
@@ -29,6 +31,23 @@ def tok(tmp_path_factory):
     rng = random.Random(0)
     lines = [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(3000)]
     return train_tokenizer(lines, 60, tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="module")
+def digits_tok(tmp_path_factory):
+    """Trained on words with digits and a comma ("9, 10")."""
+    rng = random.Random(0)
+    words = "in the beginning god created heaven and earth light was good 9, 10 day night".split()
+    lines = [" ".join(rng.choice(words) for _ in range(10)) for _ in range(3000)]
+    return train_tokenizer(lines, 60, tmp_path_factory.mktemp("spm"))
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tmp_path_factory):
+    """A 40-piece vocabulary over eight words."""
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    lines = [" ".join(words[(i * 7 + j) % 8] for j in range(6)) for i in range(500)]
+    return train_tokenizer(lines, 40, tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +131,78 @@ def test_special_tokens_written_in_text_stay_whole(tok):
     pieces = tok.tokenize("a <mask> b<sep>c")
     assert "<mask>" in pieces and "<sep>" in pieces
     assert MASK_ID in tok.encode("the <mask> created", add_special_tokens=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trained with XLNet's ids: layout, round trips, edge inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_trained_model_has_xlnet_special_ids(digits_tok):
+    assert digits_tok.convert_ids_to_tokens(range(9)) == SPECIAL_TOKENS
+
+
+def test_pair_layout_segments_and_left_padding(digits_tok):
+    enc = digits_tok(["god created", "light was good and the earth"], ["heaven", "day"], padding=True,
+                     return_tensors="pt")
+    ids, types, att = enc["input_ids"], enc["token_type_ids"], enc["attention_mask"]
+    assert ids.shape == types.shape == att.shape and ids.dtype == torch.long
+    for row in range(2):
+        n = int(att[row].sum())
+        real, real_types = ids[row, -n:].tolist(), types[row, -n:].tolist()
+        assert real[-1] == CLS_ID and real_types[-1] == 2
+        seps = [i for i, t in enumerate(real) if t == SEP_ID]
+        assert len(seps) == 2 and seps[1] == n - 2
+        assert set(real_types[: seps[0] + 1]) == {0}
+        assert set(real_types[seps[0] + 1: seps[1] + 1]) == {1}
+        assert ids[row, : ids.shape[1] - n].eq(PAD_ID).all()
+    assert att[0, 0] == 0  # the shorter row is padded on the left
+
+
+def test_decode_round_trip(digits_tok):
+    text = "in the beginning god created heaven and earth"
+    assert digits_tok.decode(digits_tok.encode(text), skip_special_tokens=True) == text
+    assert digits_tok.decode(digits_tok.encode(text)) == text + "<sep><cls>"
+
+
+def test_digit_comma_split(digits_tok):
+    pieces = digits_tok.tokenize("day 9, night")
+    assert "," in pieces and not any(p.endswith(",") and len(p) > 1 and p[-2].isdigit() for p in pieces)
+
+
+def test_truncation_keeps_special_tokens(digits_tok):
+    ids = digits_tok.encode("god " * 50, "earth " * 50, max_length=16, truncation=True)
+    assert len(ids) == 16 and ids[-1] == CLS_ID and ids.count(SEP_ID) == 2
+
+
+def test_save_and_reload(digits_tok, tmp_path):
+    digits_tok.save_pretrained(tmp_path)
+    again = XLNetTokenizer.from_pretrained(tmp_path)
+    assert again.encode("god created light") == digits_tok.encode("god created light")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spiece.model", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_tokenizer_empty_string(tiny_tok):
+    enc = tiny_tok("", return_tensors="pt")
+    assert enc["input_ids"].tolist() == [[SEP_ID, CLS_ID]]
+    assert tiny_tok.decode([]) == ""
+
+
+def test_tokenizer_unknown_characters_map_to_unk(tiny_tok):
+    ids = tiny_tok.encode("alpha \u2603\u2603 beta", add_special_tokens=False)
+    assert 0 in ids  # <unk>
+    assert "alpha" in tiny_tok.decode(ids) and "beta" in tiny_tok.decode(ids)
+
+
+def test_tokenizer_over_long_input(tiny_tok):
+    long = "alpha beta " * 500
+    enc = tiny_tok([long, "gamma"], truncation=True, max_length=32, padding=True, return_tensors="pt")
+    assert enc["input_ids"].shape == (2, 32)
+    assert enc["input_ids"][0, -1] == CLS_ID and enc["attention_mask"][1].sum() < 32
+    with pytest.raises(ValueError, match="max_length"):
+        tiny_tok("alpha", max_length=1, truncation=True, text_pair="beta")
+    with pytest.raises(TypeError, match="text"):
+        tiny_tok.encode(None)
 
 
 # ---------------------------------------------------------------------------------------------

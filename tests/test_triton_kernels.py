@@ -4,15 +4,17 @@ On a CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest.p
 but span several 16-wide tiles with odd sizes.
 """
 
+import functools
 import os
 import unittest.mock
 
 import pytest
 import torch
+from helpers.attention import ARG_NAMES, GRAD_NAMES, eager_attention, grads, make_case, triton_attention
+from helpers.compare import rel_err
+from helpers.reference import reference_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_op import GRAD_NAMES, grads, make_case
-from xlnet_reference import reference_attention
 
 import xlnet_fast
 from xlnet_fast import rel_attention
@@ -21,30 +23,8 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs a GPU or TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def on_device(tensors, kw):
-    move = lambda t: t.to(DEVICE) if torch.is_tensor(t) else t  # noqa: E731
-    return [move(t) for t in tensors], {k: move(v) for k, v in kw.items()}
-
-
-def triton_fn(*x, **k):
-    return rel_attention(*x, **k, backend="triton")
-
-
-def eager_fn(*x, **k):
-    return rel_attention(*x, **k, backend="eager")
-
-
-def to64(tensors, kw):
-    t64 = [t.double() for t in tensors]
-    k64 = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
-    return t64, k64
-
-
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+# these tolerances were set with a 1e-12 floor under ||expected|| (zero gradients compare as 0)
+rel = functools.partial(rel_err, floor=1e-12)
 
 
 CASES = {
@@ -62,30 +42,29 @@ CASES = {
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_backward_match_eager_and_reference(name, deterministic):
-    tensors, kw = on_device(*make_case(**CASES[name], dtype=torch.float32))
-    dout = torch.randn(tensors[0].shape, device=DEVICE)
+    case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        out, g_tri = grads(triton_fn, tensors, kw, dout)
+        out, g_tri = grads(triton_attention, case, dout)
     finally:
         torch.use_deterministic_algorithms(False)
     # fp32 kernels against the float64 eager path (itself checked against the literal reference);
     # bias gradients are sums of dS that cancel (rows of dS sum to 0), hence 1e-4
-    t64, k64 = to64(tensors, kw)
-    ref_out, g_ref = grads(eager_fn, t64, k64, dout.double())
+    case64 = case.to(dtype=torch.float64)
+    ref_out, g_ref = grads(eager_attention, case64, dout.double())
     assert rel(out, ref_out) < 1e-5
     for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
         assert rel(a, b) < 1e-4, n
-    cpu = lambda x: x.cpu() if torch.is_tensor(x) else x  # noqa: E731
-    assert rel(out, reference_attention(*map(cpu, t64), **{k: cpu(v) for k, v in k64.items()})) < 1e-5
+    assert rel(out, case64.to(device="cpu").call(reference_attention)) < 1e-5
 
 
 def test_deterministic_dk_r_is_bitwise_reproducible():
-    tensors, kw = on_device(*make_case(B=2, M=33, H=1, D=16, mlen=5, dtype=torch.float32))
-    dout = torch.randn(tensors[0].shape, device=DEVICE)
+    case = make_case(B=2, M=33, H=1, D=16, mlen=5, dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [grads(triton_fn, tensors, kw, dout)[1][3] for _ in range(2)]
+        runs = [grads(triton_attention, case, dout)[1][GRAD_NAMES.index("k_r")] for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(runs[0], runs[1])
@@ -97,32 +76,31 @@ def test_half_precision_against_float64(dtype):
     bias gradients are sums of dS that cancel, so the rounding of O in delta = rowsum(dO * O)
     shows there in both backends). Triton's CPU interpreter rounds fp32 -> bf16 toward zero (half
     the values differ from round-to-nearest), which biases those sums further: 10x there."""
-    tensors, kw = on_device(*make_case(B=2, M=33, H=1, D=16, mlen=5, mask="rank", dtype=dtype))
-    dout = torch.randn(tensors[0].shape, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    case = make_case(B=2, M=33, H=1, D=16, mlen=5, mask="rank", dtype=dtype).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
     factor = 3 if torch.cuda.is_available() else 10
-    out, g = grads(triton_fn, tensors, kw, dout)
+    out, g = grads(triton_attention, case, dout)
     assert out.dtype == dtype and all(x.dtype == dtype for x in g)
-    eager_out, g_eager = grads(eager_fn, tensors, kw, dout)
-    t64, k64 = to64(tensors, kw)
-    ref, g_ref = grads(eager_fn, t64, k64, dout.double())
+    eager_out, g_eager = grads(eager_attention, case, dout)
+    ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     assert rel(out, ref) < 1e-2
     for n, a, e, b in zip(GRAD_NAMES, g, g_eager, g_ref):
         assert rel(a, b) < max(1e-2, factor * rel(e, b)), n
 
 
 def test_hf_seq_first_views():
-    tensors, kw = on_device(*make_case(B=2, M=19, H=2, D=16, mlen=4, dtype=torch.float32))
-    views = [t.transpose(0, 1).contiguous().transpose(0, 1) for t in tensors[:4]] + tensors[4:]
-    assert not views[0].is_contiguous()
-    assert rel(triton_fn(*views, **kw), eager_fn(*tensors, **kw)) < 1e-5
+    case = make_case(B=2, M=19, H=2, D=16, mlen=4, dtype=torch.float32).to(device=DEVICE)
+    views = case.seq_first_views()
+    assert not views.q.is_contiguous()
+    assert rel(views.call(triton_attention), case.call(eager_attention)) < 1e-5
 
 
 def test_fully_blocked_rows_are_zero_with_finite_grads():
-    tensors, kw = on_device(*make_case(B=1, M=20, H=1, D=16, mlen=0, mask="rank", self_visible=False,
-                                       dtype=torch.float32))
-    kw["q_rank"][0, 3] = xlnet_fast.INT32_MIN
-    dout = torch.randn(tensors[0].shape, device=DEVICE)
-    out, g = grads(triton_fn, tensors, kw, dout)
+    case = make_case(B=1, M=20, H=1, D=16, mlen=0, mask="rank", self_visible=False,
+                     dtype=torch.float32).to(device=DEVICE)
+    case.q_rank[0, 3] = xlnet_fast.INT32_MIN
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    out, g = grads(triton_attention, case, dout)
     assert torch.all(out[0, 3] == 0)
     assert all(torch.isfinite(x).all() for x in g)
 
@@ -131,10 +109,10 @@ def test_dropout_mask_is_regenerated_in_backward():
     """With v_j = e_j the output row is the dropped probability row; the gradients must equal the
     autograd of (P * keep / (1 - p)) @ V with that keep mask."""
     B, L, H, D, p = 1, 16, 1, 16, 0.4
-    tensors, kw = make_case(B=B, M=L, H=H, D=D, mlen=0, seg=False, dtype=torch.float32)
-    tensors[2] = torch.eye(L).reshape(1, L, 1, D)
-    tensors, kw = on_device(tensors, kw)
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    case = make_case(B=B, M=L, H=H, D=D, mlen=0, seg=False, dtype=torch.float32)
+    case = case.replace(v=torch.eye(L).reshape(1, L, 1, D)).to(device=DEVICE)
+    kw = case.kwargs()
+    leaves = [t.detach().clone().requires_grad_() for t in case.args()]
     torch.manual_seed(7)
     out = rel_attention(*leaves, **kw, dropout_p=p, backend="triton")
     torch.manual_seed(7)
@@ -190,13 +168,11 @@ def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, s
     if targets:
         M = int(torch.randint(1, qlen + 1, (), generator=g))
         q_pos = torch.randint(-1, qlen, (B, M), generator=g)
-    tensors, kw = on_device(*make_case(B=B, M=M, H=1, D=16, mlen=mlen, qlen=qlen, R=K + 1 if uni else None,
-                                       seg=seg, mask=mask, self_visible=self_visible, q_pos=q_pos,
-                                       dtype=torch.float32, seed=seed))
-    dout = torch.randn(tensors[0].shape, device=DEVICE)
-    out, g_tri = grads(triton_fn, tensors, kw, dout)
-    t64, k64 = to64(tensors, kw)
-    ref, g_ref = grads(eager_fn, t64, k64, dout.double())
+    case = make_case(B=B, M=M, H=1, D=16, mlen=mlen, qlen=qlen, R=K + 1 if uni else None, seg=seg, mask=mask,
+                     self_visible=self_visible, q_pos=q_pos, dtype=torch.float32, seed=seed).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    out, g_tri = grads(triton_attention, case, dout)
+    ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     assert rel(out, ref) < 1e-5 or (out - ref).abs().max() < 1e-6
     for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
         assert rel(a, b) < 1e-4 or (a.double() - b).abs().max() < 1e-6, n
@@ -204,11 +180,11 @@ def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, s
 
 def test_two_stream_single_launch_matches_eager():
     B, L, P, H, D, mlen = 2, 35, 9, 1, 16, 6
-    tensors, kw = on_device(*make_case(B=B, M=L, H=H, D=D, mlen=mlen, mask="rank", dtype=torch.float32))
+    case = make_case(B=B, M=L, H=H, D=D, mlen=mlen, mask="rank", dtype=torch.float32).to(device=DEVICE)
     q_g = torch.randn(B, P, H, D, device=DEVICE)
     target_pos = torch.randint(-1, L, (B, P), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    joint = {k: kw[k] for k in ("r_s_bias", "seg_embed", "q_seg", "k_seg", "q_rank", "k_rank")}
-    leaves = [t.detach().clone().requires_grad_() for t in [tensors[0], q_g] + tensors[1:]]
+    joint = {name: getattr(case, name) for name in ("r_s_bias", "seg_embed", "q_seg", "k_seg", "q_rank", "k_rank")}
+    leaves = [t.detach().clone().requires_grad_() for t in [case.q, q_g] + case.args()[1:]]
     outs = {}
     for backend in ("eager", "triton"):
         h, g = xlnet_fast.rel_attention_two_stream(*leaves, target_pos=target_pos, **joint, backend=backend)
@@ -221,8 +197,9 @@ def test_two_stream_single_launch_matches_eager():
 
 
 def test_torch_compile_with_triton_backend():
-    tensors, kw = on_device(*make_case(B=1, M=20, H=1, D=16, mlen=3, mask="rank", dtype=torch.float32))
-    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    case = make_case(B=1, M=20, H=1, D=16, mlen=3, mask="rank", dtype=torch.float32).to(device=DEVICE)
+    kw = case.kwargs()
+    leaves = [t.detach().clone().requires_grad_() for t in case.args()]
 
     def f(*xs):
         return rel_attention(*xs, **kw, backend="triton").square().sum()
@@ -239,20 +216,20 @@ def test_torch_compile_with_triton_backend():
 def test_backward_with_non_contiguous_incoming_gradient(reduce):
     # regression: the backward read dO assuming a unit last-dim stride, and `out.sum()` hands it an
     # expanded (stride 0) gradient: gradients were 1e34 / inf / NaN
-    tensors, kw = on_device(*make_case(**CASES["content_seg_mem"], dtype=torch.float32))
-    weight = torch.randn(tensors[0].shape[-1], tensors[0].shape[-2], device=DEVICE)
+    case = make_case(**CASES["content_seg_mem"], dtype=torch.float32).to(device=DEVICE)
+    weight = torch.randn(case.q.shape[-1], case.q.shape[-2], device=DEVICE)
 
     def reduce_to_loss(out):
         if reduce == "strided":  # dO = weight.t(): last-dim stride != 1
             return (out * weight.t()).sum()
         return getattr(out, reduce)()
 
-    def grads_of(fn, xs, kwargs):
-        leaves = [t.detach().clone().requires_grad_() for t in xs]
-        return torch.autograd.grad(reduce_to_loss(fn(*leaves, **kwargs)), leaves)
+    def grads_of(fn, c):
+        leaves = [t.detach().clone().requires_grad_() for t in c.args()]
+        return torch.autograd.grad(reduce_to_loss(fn(*leaves, **c.kwargs())), leaves)
 
-    t64, k64 = to64(tensors, kw)
-    for name, a, b in zip(GRAD_NAMES, grads_of(triton_fn, tensors, kw), grads_of(eager_fn, t64, k64)):
+    pairs = zip(GRAD_NAMES, grads_of(triton_attention, case), grads_of(eager_attention, case.to(dtype=torch.float64)))
+    for name, a, b in pairs:
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < 1e-4, name
 
@@ -260,32 +237,31 @@ def test_backward_with_non_contiguous_incoming_gradient(reduce):
 def test_int64_positions_below_int32_range_are_padding_rows():
     # regression: q_pos < -2**31 wrapped to a real position in the Triton kernels (eager: padding)
     q_pos = torch.tensor([[3, -(2**40), 0, 7], [-(2**31) - 5, 1, 2, -1]])
-    tensors, kw = on_device(*make_case(B=2, M=4, qlen=8, H=1, D=16, mlen=2, q_pos=q_pos, dtype=torch.float32))
-    out = triton_fn(*tensors, **kw)
+    case = make_case(B=2, M=4, qlen=8, H=1, D=16, mlen=2, q_pos=q_pos, dtype=torch.float32).to(device=DEVICE)
+    out = case.call(triton_attention)
     assert (out[0, 1] == 0).all() and (out[1, 0] == 0).all()
-    assert rel(out, eager_fn(*tensors, **kw)) < 1e-5
+    assert rel(out, case.call(eager_attention)) < 1e-5
 
 
 def test_fp16_inputs_near_the_fp16_range_stay_finite():
     # |x| ~ 6e4: q + bias overflows fp16 if added in fp16; the kernels add and scale in fp32
-    tensors, kw = make_case(**CASES["content_seg_mem"], dtype=torch.float32)
-    tensors = [t / t.abs().amax() * 6.0e4 for t in tensors]
-    tensors, kw = on_device([t.half() for t in tensors],
-                            {k: v.half() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in kw.items()})
-    out = triton_fn(*tensors, **kw)
-    ref = eager_fn(*tensors, **kw)
+    case = make_case(**CASES["content_seg_mem"], dtype=torch.float32)
+    case = case.replace(**{name: t / t.abs().amax() * 6.0e4 for name, t in zip(ARG_NAMES, case.args())})
+    case = case.to(dtype=torch.float16, device=DEVICE)
+    out = case.call(triton_attention)
+    ref = case.call(eager_attention)
     assert torch.isfinite(ref).all() and torch.isfinite(out).all()
     assert rel(out, ref) < 1e-2
 
 
 def test_head_dims_past_the_kernels_limit():
     # forced triton raises before any launch; "auto" (had it picked triton) runs them eagerly
-    tensors, kw = on_device(*make_case(B=1, M=4, H=1, D=160, mlen=1, dtype=torch.float32))
+    case = make_case(B=1, M=4, H=1, D=160, mlen=1, dtype=torch.float32).to(device=DEVICE)
     with pytest.raises(ValueError, match="head dims up to 128"):
-        triton_fn(*tensors, **kw)
+        case.call(triton_attention)
     with unittest.mock.patch.object(xlnet_fast.attention.backends, "resolve_backend", lambda backend, device: "triton"):
-        out = rel_attention(*tensors, **kw, backend="auto")
-    assert rel(out, eager_fn(*tensors, **kw)) < 1e-6
+        out = case.call(rel_attention, backend="auto")
+    assert rel(out, case.call(eager_attention)) < 1e-6
 
 
 def test_two_stream_rows_are_banded_for_every_tile_size():

@@ -1,5 +1,6 @@
-"""Float64 reference for XLNet relative attention, written from the original formulation:
-the relative term goes through the literal reshape ``rel_shift`` of the original code."""
+"""References written from the original XLNet: the float64 relative attention, whose relative term
+goes through the literal reshape ``rel_shift`` of the original code, and the original (TF)
+``_local_perm`` that the rank masks must reproduce."""
 
 import math
 
@@ -69,3 +70,26 @@ def reference_attention(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_
             heads.append(prob @ vb)
         outs.append(torch.stack(heads, 1))
     return torch.stack(outs, 0)
+
+
+def original_local_perm(inputs, is_masked, perm_size, order, sep_id, cls_id):
+    """The original `_local_perm` (TF), transcribed op by op, with a given row shuffle `order`.
+
+    ``inputs``, ``is_masked`` ``(L,)``; ``order`` a permutation of ``range(perm_size)``; ``sep_id``,
+    ``cls_id`` the functional tokens (the original reads them from globals). Returns the dense
+    ``perm_mask (L, L)`` (True = blocked) and ``target_tokens (L,)``.
+    """
+    seq_len = inputs.shape[0]
+    index = torch.arange(seq_len)
+    index = index.reshape(-1, perm_size).T
+    index = index[order]  # tf.random_shuffle over the first dim
+    index = index.T.reshape(-1)
+    non_func_tokens = ~((inputs == sep_id) | (inputs == cls_id))
+    non_mask_tokens = (~is_masked) & non_func_tokens
+    masked_or_func_tokens = ~non_mask_tokens
+    smallest_index = -torch.ones(seq_len, dtype=torch.long)
+    rev_index = torch.where(non_mask_tokens, smallest_index, index)
+    target_tokens = masked_or_func_tokens & non_func_tokens
+    self_rev_index = torch.where(target_tokens, rev_index, rev_index + 1)
+    perm_mask = (self_rev_index[:, None] <= rev_index[None, :]) & masked_or_func_tokens
+    return perm_mask, target_tokens

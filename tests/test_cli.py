@@ -1,5 +1,5 @@
-"""A user's mistake on the command line is one line on stderr naming the flag or the file (and line),
-exit status 2, before any model or data set-up; never a traceback."""
+"""The command line: its entry points, and a user's mistake is one line on stderr naming the flag or
+the file (and line), exit status 2, before any model or data set-up; never a traceback."""
 
 import json
 import os
@@ -187,3 +187,20 @@ def test_jsonl_records_still_train(tmp_path, capsys):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     assert run(tmp_path, str(path), "--steps", "1", "--batch-size", "2", "--backend", "eager") == 0
     assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "backend='auto'" in out
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run([sys.executable, "-m", "xlnet_fast", "info"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "xlnet_fast" in res.stdout

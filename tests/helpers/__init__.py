@@ -1,0 +1,13 @@
+"""What the test modules share (no test module imports another):
+
+- ``attention``: ``AttentionCase``, the named record of one ``rel_attention`` call's inputs, the
+  random case builder, the eager/Triton calls and the gradients the tests compare;
+- ``reference``: float64 references written from the original XLNet (the literal ``rel_shift``
+  attention, the original ``_local_perm``);
+- ``compare``: the relative error every comparison uses;
+- ``models``: twin transformers/xlnet_fast models on the small config, token ids;
+- ``pretraining``: the small corpus and the tiny training run (as a config and as a command line).
+
+``tests/conftest.py`` puts ``tests/`` on ``sys.path`` so that ``import helpers`` works under
+``--import-mode=importlib``.
+"""
