@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers.attention import ARG_NAMES, F64, GRAD_NAMES, eager_attention, grads, make_case
+from helpers.attention import ARG_NAMES, F64, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case
 from helpers.compare import rel_err
 from helpers.reference import reference_attention
 from hypothesis import given, settings
@@ -159,10 +159,7 @@ def test_fuzz_against_reference(B, H, D, qlen, mlen, targets, mask, self_visible
                                  per_batch, seq_first, fp32, seed):
     g = torch.Generator().manual_seed(seed)
     K = qlen + mlen
-    q_pos, M = None, qlen
-    if targets:
-        M = int(torch.randint(1, qlen + 1, (), generator=g))
-        q_pos = torch.randint(-1, qlen, (B, M), generator=g)
+    q_pos, M = draw_query_rows(g, B, qlen, targets)
     case = make_case(B=B, M=M, H=H, D=D, mlen=mlen, qlen=qlen, Br=B if per_batch else 1, R=K + 1 if uni else None,
                      seg=seg, mask=mask, self_visible=self_visible, q_pos=q_pos, seed=seed)
     dout = torch.randn(case.q.shape, dtype=F64, generator=g)

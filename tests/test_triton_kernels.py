@@ -10,7 +10,8 @@ import unittest.mock
 
 import pytest
 import torch
-from helpers.attention import ARG_NAMES, GRAD_NAMES, eager_attention, grads, make_case, triton_attention
+from helpers.attention import (ARG_NAMES, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case,
+                               triton_attention)
 from helpers.compare import rel_err
 from helpers.reference import reference_attention
 from hypothesis import given, settings
@@ -164,10 +165,7 @@ def test_model_two_stream_with_triton_backend_matches_eager():
 def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, seg, uni, seed):
     g = torch.Generator().manual_seed(seed)
     K = qlen + mlen
-    q_pos, M = None, qlen
-    if targets:
-        M = int(torch.randint(1, qlen + 1, (), generator=g))
-        q_pos = torch.randint(-1, qlen, (B, M), generator=g)
+    q_pos, M = draw_query_rows(g, B, qlen, targets)
     case = make_case(B=B, M=M, H=1, D=16, mlen=mlen, qlen=qlen, R=K + 1 if uni else None, seg=seg, mask=mask,
                      self_visible=self_visible, q_pos=q_pos, dtype=torch.float32, seed=seed).to(device=DEVICE)
     dout = torch.randn(case.q.shape, device=DEVICE)

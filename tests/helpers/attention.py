@@ -107,6 +107,15 @@ def make_case(B=2, M=5, H=2, D=4, mlen=3, qlen=None, Br=1, R=None, seg=True, mas
     return case
 
 
+def draw_query_rows(g: torch.Generator, B: int, qlen: int, targets: bool) -> tuple[Tensor | None, int]:
+    """(q_pos, M) for a fuzzed case: all qlen positions in order, or (``targets``) 1..qlen rows at
+    random positions, some of them padding (-1)."""
+    if not targets:
+        return None, qlen
+    M = int(torch.randint(1, qlen + 1, (), generator=g))
+    return torch.randint(-1, qlen, (B, M), generator=g), M
+
+
 def grads(fn, case: AttentionCase, dout: Tensor):
     """``fn``'s output on ``case`` and the gradients of ``(out * dout).sum()`` with respect to each
     differentiable input that is set, in GRAD_NAMES order (zeros where the output does not depend on it)."""

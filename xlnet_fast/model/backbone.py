@@ -97,10 +97,8 @@ class XLNetModel(XLNetPreTrainedModel):
         ``target_mapping``. ``mems`` may also be one stacked tensor; ``head_mask``, ``position_ids``,
         ``logits_to_keep``, ``use_cache`` and ``num_items_in_batch`` are accepted and ignored, as
         transformers' XLNetModel does."""
-        return self.forward_prepared(prepare_inputs(
-            self,             input_ids, attention_mask, mems, perm_mask, target_mapping, token_type_ids, input_mask,
-            inputs_embeds, use_mems, output_attentions, output_hidden_states, return_dict, q_rank,
-            k_rank, target_pos, **kwargs))
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "kwargs")}
+        return self.forward_prepared(self.prepare_inputs(**arguments, **kwargs))
 
     def forward_prepared(self, a: BackboneInputs) -> XLNetModelOutput | tuple:
         """The forward pass over the inputs ``prepare_inputs`` returned."""
