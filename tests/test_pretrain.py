@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.pretraining import WORDS, pretrain_command, train_config, write_corpus
 from helpers.reference import original_local_perm
-from safetensors.torch import load_file
 
-from xlnet_fast import XLNetLMHeadModel
+from xlnet_fast import XLNetConfig, XLNetLMHeadModel
+from xlnet_fast.pretrain.checkpoint import load_model_weights, read_model_state
 from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
 from xlnet_fast.pretrain.tokenizer import CLS_ID, SEP_ID, train_tokenizer
 from xlnet_fast.pretrain import pretrain
@@ -125,10 +125,15 @@ def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):
     assert set(rows[0]) == {"step", "loss", "lr", "grad_norm", "tokens_per_s"}
     first, last = np.mean([r["loss"] for r in rows[:3]]), np.mean([r["loss"] for r in rows[-3:]])
     assert last < first - 0.5
-    model = XLNetLMHeadModel.from_pretrained(res["checkpoint"])
+    model = XLNetLMHeadModel(XLNetConfig.from_pretrained(res["checkpoint"]))
+    load_model_weights(model, res["checkpoint"])
     from xlnet_fast import XLNetTokenizer
 
     assert model.config.vocab_size == XLNetTokenizer.from_pretrained(res["checkpoint"]).vocab_size
+    state = read_model_state(res["checkpoint"])
+    assert "lm_loss.weight" not in state  # tied to the word embedding, stored once as save_pretrained does
+    for name, value in model.state_dict().items():  # every weight came from the checkpoint
+        assert torch.equal(value, state["transformer.word_embedding.weight" if name == "lm_loss.weight" else name])
 
 
 def test_exact_resume(corpus, tmp_path):
@@ -146,8 +151,8 @@ def test_exact_resume(corpus, tmp_path):
     assert [r["step"] for r in got] == list(range(1, 7))
     for a, b in zip(got, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
-    w_ref = load_file(str(tmp_path / "run" / "checkpoints" / "step_0000006" / "model.safetensors"))
-    w_got = load_file(str(other / "checkpoints" / "step_0000006" / "model.safetensors"))
+    w_ref = read_model_state(str(tmp_path / "run" / "checkpoints" / "step_0000006"))
+    w_got = read_model_state(str(other / "checkpoints" / "step_0000006"))
     for k in w_ref:
         torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-6, atol=1e-7)
 
@@ -192,8 +197,8 @@ def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sha
     for cmd in (one, two):
         res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
-    w1 = load_file(str(tmp_path / "one" / "run" / "checkpoints" / "step_0000002" / "model.safetensors"))
-    w2 = load_file(str(tmp_path / "two" / "run" / "checkpoints" / "step_0000002" / "model.safetensors"))
+    w1 = read_model_state(str(tmp_path / "one" / "run" / "checkpoints" / "step_0000002"))
+    w2 = read_model_state(str(tmp_path / "two" / "run" / "checkpoints" / "step_0000002"))
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-6)
 

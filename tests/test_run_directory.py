@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 from helpers.pretraining import pretrain_command, train_config, write_corpus
-from safetensors.torch import load_file
 
 from xlnet_fast.pretrain import (NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
                                  load_latest_checkpoint, pretrain)
+from xlnet_fast.pretrain.checkpoint import dcp_metadata, read_model_state
 from xlnet_fast.pretrain.run_dir import LOCK_NAME
 
 
@@ -113,7 +113,9 @@ def test_resume_restores_the_stored_settings(two_checkpoints, cache, tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(batch_size=8), "--batch-size 8 differs from the checkpoint's 4"),
+    (dict(batch_size=8), r"--batch-size 8 on 1 rank\(s\) makes a global batch of 8 .*the checkpoint's is 4 .*"
+                         "pass --batch-size 4 to keep it"),
+    (dict(grad_accum=2), "--grad-accum 2 differs from the checkpoint's 1"),
     (dict(preset="base"), "--preset base differs from the checkpoint's tiny"),
     (dict(seed=5), "--seed 5 differs from the checkpoint's 0"),
     (dict(mem_len=8), "--mem-len 8 differs from the checkpoint's 16"),
@@ -251,8 +253,7 @@ CORRUPTIONS = {
 def test_every_file_of_the_newest_checkpoint_is_checked(two_checkpoints, tmp_path, caplog):
     """Fault injection: each file of the newest checkpoint corrupted in turn, each way."""
     files = sorted(os.listdir(two_checkpoints / "checkpoints" / "step_0000002"))
-    assert {"COMPLETE", "config.json", "model.safetensors", "spiece.model", "trainer.pt", "rank0.pt",
-            "run.json"} <= set(files)
+    assert {"COMPLETE", "config.json", ".metadata", "__0_0.distcp", "spiece.model", "run.json"} <= set(files)
     for name in files:
         for how, corrupt in CORRUPTIONS.items():
             out = copy_run(two_checkpoints, tmp_path / f"{name}-{how}")
@@ -265,19 +266,41 @@ def test_every_file_of_the_newest_checkpoint_is_checked(two_checkpoints, tmp_pat
             shutil.rmtree(out)
 
 
-def test_non_finite_weights_in_a_checkpoint_make_it_unreadable(two_checkpoints, tmp_path):
+def as_earlier_version(step_dir, nan=False):
+    """Rewrite a checkpoint in the format of earlier versions: model.safetensors, trainer.pt, no manifest."""
     from safetensors.torch import save_file
 
+    state = read_model_state(str(step_dir))
+    if nan:
+        next(iter(state.values())).fill_(float("nan"))
+    for name in os.listdir(step_dir):
+        if name == ".metadata" or name.endswith(".distcp"):
+            os.remove(step_dir / name)
+    save_file(state, str(step_dir / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({"step": 2}, step_dir / "trainer.pt")
+    (step_dir / "COMPLETE").write_text("2")
+    return state
+
+
+def test_non_finite_weights_in_a_checkpoint_make_it_unreadable(two_checkpoints, tmp_path):
     out = copy_run(two_checkpoints, tmp_path / "run")
-    path = out / "checkpoints" / "step_0000002" / "model.safetensors"
-    state = load_file(str(path))
-    next(iter(state.values())).fill_(float("nan"))
-    save_file(state, str(path), metadata={"format": "pt"})
-    (out / "checkpoints" / "step_0000002" / "COMPLETE").write_text("2")  # a manifest-less checkpoint
+    as_earlier_version(out / "checkpoints" / "step_0000002", nan=True)
     assert load_latest_checkpoint(TrainConfig(out=str(out))).endswith("step_0000001")
 
 
-@pytest.mark.parametrize("name,how", [("model.safetensors", "truncated"), ("rank0.pt", "garbage"),
+def test_checkpoint_of_an_earlier_version_is_read_but_not_resumed(two_checkpoints, cache, tmp_path):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    step_dir = out / "checkpoints" / "step_0000002"
+    state = as_earlier_version(step_dir)
+    assert load_latest_checkpoint(TrainConfig(out=str(out))) == str(step_dir)
+    got = read_model_state(str(step_dir))
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    with pytest.raises(UsageError, match="written by an earlier version.*cannot resume.*--overwrite"):
+        pretrain(resume_cfg(out, cache, steps=3))
+    assert names(out) == ["step_0000001", "step_0000002"] and steps_in(out) == [1, 2]
+
+
+@pytest.mark.parametrize("name,how", [("__0_0.distcp", "truncated"), (".metadata", "garbage"),
                                       ("config.json", "empty")])
 def test_resume_falls_back_past_a_corrupt_newest_checkpoint(two_checkpoints, cache, tmp_path, caplog, name, how):
     out = copy_run(two_checkpoints, tmp_path / "run")
@@ -348,11 +371,13 @@ def test_mem_len_0_means_no_memory(corpus, cache, tmp_path):
     for mem_len in (0, 16):
         out = tmp_path / f"mem{mem_len}"
         pretrain(train_config(out, corpus, cache, steps=2, mem_len=mem_len))
-        mems = torch.load(out / "checkpoints" / "step_0000002" / "rank0.pt", weights_only=False)["mems"]
+        entries = dcp_metadata(str(out / "checkpoints" / "step_0000002")).state_dict_metadata
+        mems = {k: md.size for k, md in entries.items() if k.startswith("rows.") and k.endswith(".mems")}
         if mem_len == 0:
-            assert mems is None
-        else:  # bounded by mem_len, not growing by reuse_len every step
-            assert {m.shape[0] for m in mems} == {16}
+            assert mems == {}
+        else:  # one per batch row (n_layer, mlen, d_model), bounded by mem_len, not growing by reuse_len
+            assert sorted(mems) == [f"rows.{g}.mems" for g in range(4)]
+            assert {tuple(size)[1] for size in mems.values()} == {16}
 
 
 def test_checkpoint_files_and_directories_are_fsynced_before_the_rename(corpus, cache, tmp_path, monkeypatch):

@@ -57,7 +57,8 @@ def _pretrain(args: argparse.Namespace) -> int:
     ckpt = result["checkpoint"]
     print(f"step {result['step']}: loss {result['loss']:.4f}; checkpoint {ckpt}"
           + (" (stopped by SIGTERM)" if result["preempted"] else ""))
-    print(f"metrics: {cfg.out}/metrics.jsonl; load with XLNetLMHeadModel.from_pretrained({ckpt!r})")
+    print(f"metrics: {cfg.out}/metrics.jsonl; weights: xlnet_fast.pretrain.checkpoint.load_model_weights(model, "
+          f"{ckpt!r})")
     return 0
 
 
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", default=None)
     p.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
     p.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 (fully_shard) under torchrun")
+    p.add_argument("--async-save", action="store_true", dest="async_save", default=None,
+                   help="write checkpoints in the background: the step that saves waits only for the copy "
+                   "of its state to host memory")
     p.add_argument("--seed", type=int)
     p.add_argument("--cache-dir", dest="cache_dir")
     p.add_argument("--no-progress", action="store_true", dest="no_progress", default=None)

@@ -2,8 +2,10 @@
 
 ``tokenizer`` (SentencePiece XLNet tokenizer), ``data`` (text -> tokens -> two-stream batches with
 compact masks), ``settings`` (presets, ``TrainConfig``), ``run_dir`` (lock, planning, metrics),
-``checkpoint`` (atomic, sealed, verified checkpoints), ``distributed`` (process-group helpers) and
-``loop`` (``pretrain``).
+``checkpoint`` (the layout of atomic, sealed, verified checkpoints and their readers), ``sharded``
+(the training state through ``torch.distributed.checkpoint``: sharded, optionally asynchronous
+saves, resumed on any number of ranks), ``distributed`` (process-group helpers) and ``loop``
+(``pretrain``).
 """
 
 from .checkpoint import check_checkpoint, list_checkpoints, load_latest_checkpoint

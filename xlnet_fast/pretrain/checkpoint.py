@@ -1,9 +1,19 @@
-"""Training checkpoints: ``out/checkpoints/step_XXXXXXX``, written atomically and sealed, read back with checks.
+"""Training checkpoints: ``out/checkpoints/step_XXXXXXX``, their layout, manifest, checks and readers.
 
-A checkpoint holds the model in transformers' format, the tokenizer, the optimizer, scheduler, RNG
-states, data position and mems of every rank, and the run's settings (``run.json``). It is written to
-``step_XXXXXXX.tmp``, fsynced, sealed with a checksum manifest (``COMPLETE``) and renamed; the last
-``keep`` are kept. Reading checks every file against the manifest before a checkpoint is used.
+A checkpoint directory holds
+
+- ``.metadata`` and ``__R_N.distcp``: a ``torch.distributed.checkpoint`` (DCP) of the training state,
+  each rank R writing its own shards (``sharded.py``): the model (``model.*``, transformers' parameter
+  names, tied weights once), the optimizer (``optim.*``), each global batch row's data position, RNG
+  and mems (``rows.G.*``) and each rank's torch RNG (``ranks.R.*``);
+- ``config.json`` and the tokenizer (``spiece.model`` ...), written by rank 0;
+- ``run.json``: the step, the run's settings, data, number of ranks and the LR scheduler's state;
+- ``COMPLETE``: the manifest, the step and each file's size and sha256, written last.
+
+It is written to ``step_XXXXXXX.tmp``, every file fsynced, sealed by ``COMPLETE`` and renamed; the
+last ``keep`` are kept. Reading checks every file against the manifest before a checkpoint is used.
+Checkpoints of earlier versions (``model.safetensors``, ``trainer.pt``, ``rank*.pt``) are still
+checked and their weights read (``read_model_state``), but they do not resume.
 """
 
 from __future__ import annotations
@@ -18,14 +28,17 @@ import shutil
 import torch
 
 from ..config import XLNetConfig
-from .distributed import barrier
 from .errors import CheckpointError
-from .settings import CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig
+from .settings import STORED_SETTINGS, TrainConfig
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
 
 logger = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"step_(\d+)")
+MANIFEST_NAME = "COMPLETE"
+RUN_RECORD_NAME = "run.json"
+DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint's index of the shards
+MODEL_KEY = "model"  # the model's entries in the DCP state (``model.<parameter name>``)
 
 
 def checkpoint_root(c: TrainConfig) -> str:
@@ -73,83 +86,40 @@ def write_synced(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _save_synced(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def step_dir(c: TrainConfig, step: int) -> str:
+    return os.path.join(checkpoint_root(c), f"step_{step:07d}")
 
 
-def _seal(directory: str, step: int) -> None:
-    """fsync every file, then write ``COMPLETE``: the step and each file's size and sha256."""
-    files = {name: hash_file(os.path.join(directory, name), sync=True) for name in sorted(os.listdir(directory))}
-    manifest = json.dumps({"step": step, "files": files}, indent=1).encode()
-    write_synced(os.path.join(directory, "COMPLETE"), manifest)
+def seal(directory: str, step: int, files: dict[str, dict]) -> None:
+    """Write ``COMPLETE``: the step and ``files`` (name -> ``hash_file(..., sync=True)`` of every
+    file, taken after all of them were written), then fsync the directory."""
+    missing = sorted(set(os.listdir(directory)) - set(files))
+    if missing:
+        raise CheckpointError(f"{directory}: no checksum for {missing}")
+    manifest = json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=1).encode()
+    write_synced(os.path.join(directory, MANIFEST_NAME), manifest)
     fsync_dir(directory)
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def publish(c: TrainConfig, tmp: str, final: str) -> None:
+    """Rename a sealed ``step_N.tmp`` into place, then keep the last ``c.keep`` checkpoints."""
+    root = os.path.dirname(final)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(c)[: -c.keep] if c.keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def run_record(c: TrainConfig, step: int, world: int, run_info: dict, scheduler_state: dict) -> dict:
+    """``run.json``: what a resume restores and checks. ``run_info``: data paths and digest."""
+    return {"step": step, "settings": {n: getattr(c, n) for n in STORED_SETTINGS}, "world_size": world,
+            **run_info, "scheduler": scheduler_state}
 
 
-def _run_record(c: TrainConfig, step: int, run_info: dict) -> dict:
-    """``run.json``: what a resume restores and checks."""
-    return {"step": step, "settings": {n: getattr(c, n) for n in FIXED_SETTINGS + CHANGEABLE_SETTINGS},
-            **run_info}
-
-
-def save_checkpoint(c: TrainConfig, step: int, raw_model, optimizer, scheduler, batches, mems,
-                    tokenizer, rank: int, world: int, run_info: dict) -> str:
-    """Write ``step_XXXXXXX``: files into ``step_XXXXXXX.tmp``, fsynced and sealed by ``COMPLETE``, then
-    renamed; keep the last ``c.keep``. ``run_info``: data paths and digest, world size."""
-    root = checkpoint_root(c)
-    final = os.path.join(root, f"step_{step:07d}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    barrier(world)
-    full_state = _full_state_dict(raw_model, c)  # a collective under FSDP: every rank calls it
-    if rank == 0:
-        raw_model.save_pretrained(tmp, state_dict=full_state)
-        tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optimizer.state_dict() if not c.fsdp else None,
-                    "scheduler": scheduler.state_dict()}, os.path.join(tmp, "trainer.pt"))
-        with open(os.path.join(tmp, "run.json"), "w") as f:
-            json.dump(_run_record(c, step, run_info), f, indent=1)
-    if c.fsdp:
-        _save_synced(optimizer.state_dict(), os.path.join(tmp, f"optimizer_rank{rank}.pt"))
-    _save_synced({"rng": rng_state(), "data": batches.state_dict(),
-                  "mems": [m.cpu() for m in mems] if mems is not None else None},
-                 os.path.join(tmp, f"rank{rank}.pt"))
-    barrier(world)
-    if rank == 0:
-        _seal(tmp, step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        for old in list_checkpoints(c)[: -c.keep] if c.keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier(world)
-    return final
-
-
-def _full_state_dict(raw_model, c: TrainConfig):
-    """The unsharded model state under FSDP (None otherwise: save_pretrained reads the model)."""
-    if not c.fsdp:
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(raw_model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def is_sharded(path: str) -> bool:
+    """A checkpoint written through ``torch.distributed.checkpoint`` (not by an earlier version)."""
+    return os.path.isfile(os.path.join(path, DCP_METADATA_NAME))
 
 
 def _read_manifest(path: str) -> tuple[int, dict | None]:
@@ -181,12 +151,22 @@ def _verify_file(path: str, expected: dict) -> None:
         raise CheckpointError(f"{path} does not match its checksum in COMPLETE (corrupted)")
 
 
+def dcp_metadata(directory: str):
+    """The DCP index (``torch.distributed.checkpoint.Metadata``) of a checkpoint directory."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return FileSystemReader(directory).read_metadata()
+
+
 def _load_checkpoint_file(directory: str, name: str):
-    """Parse one checkpoint file by its kind (None for a kind not parsed)."""
+    """Parse one checkpoint file by its kind (None for a kind not parsed: the DCP shards are checked
+    by their checksums and against the index)."""
     path = os.path.join(directory, name)
     try:
         if name == "config.json":
             return XLNetConfig.from_pretrained(directory)
+        if name == DCP_METADATA_NAME:
+            return dcp_metadata(directory)
         if name.endswith(".safetensors"):
             from safetensors.torch import load_file
 
@@ -209,28 +189,50 @@ def _load_checkpoint_file(directory: str, name: str):
     return None
 
 
+def _check_shard_index(path: str, metadata, files: dict) -> None:
+    """Every byte range the DCP index points at lies in a shard listed in the manifest."""
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        if name not in files:
+            raise CheckpointError(f"{os.path.join(path, name)} is missing (named by {DCP_METADATA_NAME}, "
+                                  f"not in {MANIFEST_NAME})")
+        if info.offset + info.length > files[name]["size"]:
+            raise CheckpointError(f"{os.path.join(path, name)} is shorter than {DCP_METADATA_NAME} says")
+
+
+def _check_sharded(path: str, step: int, files: dict | None, parsed: dict) -> None:
+    """A DCP checkpoint: sealed by a manifest, with ``run.json`` of its step and every shard."""
+    if files is None:
+        raise CheckpointError(f"{os.path.join(path, MANIFEST_NAME)} lists no files (not a sealed checkpoint)")
+    record = parsed.get(RUN_RECORD_NAME)
+    if not isinstance(record, dict) or record.get("step") != step:
+        raise CheckpointError(f"{os.path.join(path, RUN_RECORD_NAME)} is missing or not the record of step {step}")
+    _check_shard_index(path, parsed[DCP_METADATA_NAME], files)
+
+
 def check_checkpoint(path: str) -> int:
     """Read every file of a training checkpoint and return its step.
 
     Files listed in the ``COMPLETE`` manifest must exist with their size and sha256; every file of a
-    known kind must parse (weights must be finite). A checkpoint without a manifest (older versions)
-    needs ``trainer.pt`` and whatever else it holds to parse. Raises ``CheckpointError`` naming the
-    first bad file."""
+    known kind must parse; the DCP index must point only into listed shards. A checkpoint of an earlier
+    version without a manifest needs ``trainer.pt`` and whatever else it holds to parse (its weights
+    finite). Raises ``CheckpointError`` naming the first bad file."""
     step, files = _read_manifest(path)
     if files is not None:
         for name, expected in sorted(files.items()):
             _verify_file(os.path.join(path, name), expected)
         names = sorted(files)
     else:
-        names = sorted(n for n in os.listdir(path) if n != "COMPLETE")
+        names = sorted(n for n in os.listdir(path) if n != MANIFEST_NAME)
         if "trainer.pt" not in names:
             raise CheckpointError(f"{os.path.join(path, 'trainer.pt')} is missing")
-    for name in names:
-        content = _load_checkpoint_file(path, name)
-        if name == "trainer.pt" and (not isinstance(content, dict) or content.get("step") != step):
-            raise CheckpointError(f"{os.path.join(path, name)} is not the trainer state of step {step}")
+    parsed = {name: _load_checkpoint_file(path, name) for name in names}
+    if DCP_METADATA_NAME in parsed:
+        _check_sharded(path, step, files, parsed)
+    elif not isinstance(parsed.get("trainer.pt"), dict) or parsed["trainer.pt"].get("step") != step:
+        raise CheckpointError(f"{os.path.join(path, 'trainer.pt')} is not the trainer state of step {step}")
     if _STEP_DIR.fullmatch(os.path.basename(path)) and _dir_step(path) != step:
-        raise CheckpointError(f"{os.path.join(path, 'COMPLETE')} says step {step}, not the directory's step")
+        raise CheckpointError(f"{os.path.join(path, MANIFEST_NAME)} says step {step}, not the directory's step")
     return step
 
 
@@ -254,47 +256,50 @@ def load_latest_checkpoint(c: TrainConfig) -> str | None:
 
 
 def read_run_record(path: str) -> dict:
-    """A checkpoint's ``run.json``, or what an older checkpoint's ``trainer.pt`` tells."""
-    run_json = os.path.join(path, "run.json")
-    if os.path.exists(run_json):
-        with open(run_json) as f:
-            return json.load(f)
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=False)
-    old = trainer.get("train_config") or {}
-    world = sum(1 for n in os.listdir(path) if re.fullmatch(r"rank\d+\.pt", n))
-    return {"step": trainer["step"], "settings": {n: old.get(n) for n in FIXED_SETTINGS + CHANGEABLE_SETTINGS},
-            "data": [os.path.abspath(p) for p in old.get("data") or []], "data_digest": None,
-            "world_size": world}
+    """A checkpoint's ``run.json`` (step, settings, data, world size, scheduler state)."""
+    with open(os.path.join(path, RUN_RECORD_NAME)) as f:
+        return json.load(f)
 
+
+def dcp_load(state: dict, path: str, process_group=None, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` (nested, filled in place) from ``path``;
+    ``no_dist``: in this process alone, whatever the process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=process_group, no_dist=no_dist)
+
+
+def empty_entries(metadata, prefix: tuple[str, ...]) -> dict:
+    """Placeholders for the DCP entries under ``prefix`` (e.g. ``("rows", "3")``), nested as saved:
+    an empty CPU tensor of the stored shape and dtype for a tensor, ``""`` for any other value."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict = {}
+    for key, md in metadata.state_dict_metadata.items():
+        path = tuple(metadata.planner_data[key])
+        if path[:len(prefix)] != prefix or len(path) == len(prefix):
+            continue
+        node = out
+        for part in path[len(prefix):-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = (torch.empty(md.size, dtype=md.properties.dtype)
+                          if isinstance(md, TensorStorageMetadata) else "")
+    return out
 
 
 def read_model_state(path: str) -> dict[str, torch.Tensor]:
-    """A checkpoint's full model state on the CPU, under transformers' parameter names."""
-    from safetensors.torch import load_file
+    """A checkpoint's full model state on the CPU, under transformers' parameter names (tied weights
+    once, as ``save_pretrained`` writes them), read in this process alone from the DCP shards of any
+    number of ranks (or from ``model.safetensors`` of an earlier version's checkpoint)."""
+    if not is_sharded(path):
+        from safetensors.torch import load_file
 
-    return load_file(os.path.join(path, "model.safetensors"))
+        return load_file(os.path.join(path, "model.safetensors"))
+    state = {MODEL_KEY: empty_entries(dcp_metadata(path), (MODEL_KEY,))}
+    dcp_load(state, path, no_dist=True)
+    return state[MODEL_KEY]
 
 
 def load_model_weights(model: torch.nn.Module, path: str) -> None:
     """A checkpoint's model weights into ``model`` (an ``XLNetPreTrainedModel``)."""
     model.load_hf_state_dict(read_model_state(path), source=path)
-
-
-def restore_training_state(path: str, optimizer, scheduler, batches, rank: int, fsdp: bool,
-                           device: torch.device | None) -> list[torch.Tensor] | None:
-    """Load this rank's optimizer, scheduler, data position and RNG states from a checkpoint; return
-    its mems on ``device`` (None when the checkpoint has none or ``device`` is None: no memory)."""
-    def load(name):
-        return torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
-
-    trainer_state = load("trainer.pt")
-    optimizer.load_state_dict(load(f"optimizer_rank{rank}.pt") if fsdp else trainer_state["optimizer"])
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    rank_state = load(f"rank{rank}.pt")
-    batches.load_state_dict(rank_state["data"])
-    set_rng_state(rank_state["rng"])
-    if rank == 0:
-        logger.info("resumed from %s at step %d", path, trainer_state["step"])
-    if rank_state["mems"] is None or device is None:
-        return None
-    return [m.to(device) for m in rank_state["mems"]]

@@ -10,20 +10,33 @@ import torch.distributed as dist
 
 from .errors import UsageError
 
+_initialized_here = False  # the default process group was created by init_distributed
+
 
 def init_distributed() -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return 0, 1, device
+    global _initialized_here
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+        _initialized_here = True
     rank, world = dist.get_rank(), dist.get_world_size()
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
     return rank, world, torch.device("cpu")
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group ``init_distributed`` created (its threads must not outlive the run:
+    left to the interpreter's exit, gloo can abort with "terminate called without an active exception")."""
+    global _initialized_here
+    if _initialized_here and dist.is_initialized():
+        dist.destroy_process_group()
+    _initialized_here = False
 
 
 def barrier(world: int) -> None:

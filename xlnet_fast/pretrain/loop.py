@@ -3,8 +3,9 @@
 ``pretrain(TrainConfig(...))`` (or ``xlnet-fast pretrain``) plans the run (``run_dir.plan_run``),
 builds the tokenizer, the batches (``data.PretrainBatches``: two streams, the query stream on the
 ``num_predict`` targets only) and ``XLNetLMHeadModel``, and trains with mems carried per rank across
-steps. Checkpoints: ``checkpoint.py``. SIGTERM saves a checkpoint at the next step boundary and exits
-0; a non-finite loss, gradient norm or weight stops the run before anything non-finite is saved.
+steps. Checkpoints: ``checkpoint.py`` (layout), ``sharded.py`` (saving, restoring). SIGTERM saves a
+checkpoint at the next step boundary and exits 0; a non-finite loss, gradient norm or weight stops
+the run before anything non-finite is saved.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import torch
 
 from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
-from .checkpoint import hash_file, load_model_weights, restore_training_state, save_checkpoint
+from .checkpoint import hash_file
 from .data import PretrainBatches, build_token_file, iter_lines
-from .distributed import agree, all_sum, barrier, from_rank0, init_distributed
+from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
 from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
 from .settings import PRESETS, TrainConfig, check_settings, data_config
+from .sharded import CheckpointWriter, restore_training_state
 from .tokenizer import SPIECE_NAME, XLNetTokenizer, train_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -179,9 +181,12 @@ class Trainer:
         self.mems = None
         self.step = plan.start_step
         self.ckpt_path = plan.checkpoint
+        self.checkpoints = CheckpointWriter(c, rank, world)
         if plan.checkpoint is not None:
-            self.mems = restore_training_state(plan.checkpoint, self.optimizer, self.scheduler, self.batches,
-                                               rank=rank, fsdp=c.fsdp, device=device if c.mem_len > 0 else None)
+            self.mems = restore_training_state(plan.checkpoint, self.raw_model, self.optimizer, self.scheduler,
+                                               self.batches, rank=rank, world=world, seed=c.seed,
+                                               device=device if c.mem_len > 0 else None,
+                                               group=self.checkpoints.group)
             _apply_optimizer_settings(self.optimizer, self.scheduler, c)
 
     def _build_model(self) -> XLNetLMHeadModel:
@@ -192,9 +197,7 @@ class Trainer:
         torch.manual_seed(c.seed)  # the same initial weights on every rank
         model = XLNetLMHeadModel(mcfg).to(self.device)
         torch.manual_seed(c.seed + 1 + self.rank)
-        if self.plan.checkpoint is not None:
-            load_model_weights(model, self.plan.checkpoint)
-        return model
+        return model  # a checkpoint's weights are loaded after wrapping (restore_training_state)
 
     def _wrap(self, raw_model):
         c = self.c
@@ -202,7 +205,7 @@ class Trainer:
             for layer in raw_model.transformer.layer:
                 layer.forward = _checkpointed(layer.forward)
         model = raw_model
-        if c.fsdp:
+        if c.fsdp and self.world > 1:  # one rank has nothing to shard
             from torch.distributed.fsdp import fully_shard
 
             for layer in raw_model.transformer.layer:
@@ -260,9 +263,9 @@ class Trainer:
             raise NonFiniteLossError(
                 f"step {self.step}: the weights are no longer finite after the update (too large --lr?); "
                 f"nothing saved, the newest checkpoint is {self.ckpt_path or 'none'}")
-        run_info = {"data": self.c.data, "data_digest": self.plan.data_digest, "world_size": self.world}
-        self.ckpt_path = save_checkpoint(self.c, self.step, self.raw_model, self.optimizer, self.scheduler,
-                                         self.batches, self.mems, self.tokenizer, self.rank, self.world, run_info)
+        run_info = {"data": self.c.data, "data_digest": self.plan.data_digest}
+        self.ckpt_path = self.checkpoints.save(self.step, self.raw_model, self.optimizer, self.scheduler,
+                                               self.batches, self.mems, self.tokenizer, run_info)
 
     def _report(self, loss: float, grad_norm: float, tokens_per_s: float) -> None:
         """A metrics row every ``log_every`` steps (and at the last), the progress bar every step."""
@@ -301,7 +304,9 @@ class Trainer:
                         if self.rank == 0:
                             logger.warning("SIGTERM: saved %s at step %d, exiting", self.ckpt_path, self.step)
                         break
+            self.checkpoints.wait()  # the last background save: written and sealed before the run ends
         finally:
+            self.checkpoints.close()
             if self.bar is not None:
                 self.bar.close()
             if self.metrics is not None:
@@ -323,3 +328,4 @@ def pretrain(cfg: TrainConfig) -> dict:
     finally:
         if lock is not None:
             lock.release()
+        shutdown_distributed()

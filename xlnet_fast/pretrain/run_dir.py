@@ -4,7 +4,8 @@
 process on this host is taken over with a warning. A fresh run refuses a directory with checkpoints
 unless ``resume`` (continue) or ``overwrite`` (start over). ``resume`` falls back to the newest fully
 readable checkpoint, restores the stored settings, refuses a change of one that cannot change mid-run
-and applies (and says) a change of one that can.
+(or of the global batch, ranks x batch size x gradient accumulation) and applies (and says) a change
+of one that can (or of the number of ranks with the batch size).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from .checkpoint import checkpoint_root, hash_file, list_checkpoints, newest_readable, read_run_record, write_synced
+from .checkpoint import (checkpoint_root, hash_file, is_sharded, list_checkpoints, newest_readable, read_run_record,
+                         write_synced)
 from .data import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
@@ -201,6 +203,10 @@ def _find_start(cfg: TrainConfig) -> _Start:
                              "warnings above): pass --overwrite to start over")
         logger.warning("--resume: no checkpoint in %s: starting from step 0", root)
         return _Start()
+    if not is_sharded(path):
+        raise UsageError(f"--resume: {path} was written by an earlier version of xlnet_fast (model.safetensors, "
+                         "trainer.pt), which this one cannot resume; its weights still load with "
+                         "checkpoint.load_model_weights: start a new run with --overwrite or another --out")
     record = read_run_record(path)
     return _Start(path, record["step"], record, existing, rejected)
 
@@ -216,19 +222,37 @@ def _data_paths(cfg: TrainConfig, record: dict | None) -> list[str]:
     return [path]
 
 
-def _compare_with_checkpoint(cfg: TrainConfig, record: dict, world: int) -> list[str]:
-    """Given settings against the checkpoint's: an error for a fixed one that differs, else the
-    changes to apply (``--steps 40 -> 80``)."""
+def _compare_with_checkpoint(cfg: TrainConfig, c: TrainConfig, record: dict, world: int) -> list[str]:
+    """Given settings (``cfg``; ``c`` resolved) against the checkpoint's: an error for a fixed one
+    that differs or for another global batch, else the changes to apply (``--steps 40 -> 80``)."""
     stored = record["settings"]
     errors = [f"{setting_flag(n)} {getattr(cfg, n)} differs from the checkpoint's {stored[n]}"
               for n in FIXED_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
-    if record.get("world_size") and record["world_size"] != world:
-        errors.append(f"the number of ranks {world} differs from the checkpoint's {record['world_size']}")
     if errors:
         raise UsageError("; ".join(errors) + ": these cannot change mid-run (start a new run with --overwrite "
                          "or another --out)")
-    return [f"{setting_flag(n)} {stored[n]} -> {getattr(cfg, n)}"
-            for n in CHANGEABLE_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
+    return _check_global_batch(c, record, world) + [
+        f"{setting_flag(n)} {stored[n]} -> {getattr(cfg, n)}"
+        for n in CHANGEABLE_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
+
+
+def _check_global_batch(c: TrainConfig, record: dict, world: int) -> list[str]:
+    """The global batch (ranks x --batch-size x --grad-accum) must be the checkpoint's; the number of
+    ranks may change with --batch-size. Returns the note for such a change."""
+    old_world = record.get("world_size") or world
+    old_batch = record["settings"]["batch_size"]
+    rows = old_batch * old_world  # rows per micro-batch, each one data stream
+    if c.batch_size * world == rows:
+        if world == old_world:
+            return []
+        return [f"ranks {old_world} -> {world} with --batch-size {old_batch} -> {c.batch_size} (the global batch "
+                f"{rows * c.grad_accum} is kept)"]
+    hint = (f"pass --batch-size {rows // world} to keep it" if rows % world == 0 else
+            f"no --batch-size keeps it on {world} rank(s): use a number of ranks that divides {rows}")
+    raise UsageError(f"--batch-size {c.batch_size} on {world} rank(s) makes a global batch of "
+                     f"{c.batch_size * world * c.grad_accum} (ranks x --batch-size x --grad-accum), the checkpoint's "
+                     f"is {rows * c.grad_accum} ({old_world} x {old_batch} x {c.grad_accum}): {hint}; the global "
+                     "batch cannot change mid-run")
 
 
 def _differs(given, stored) -> bool:
@@ -316,7 +340,7 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     c.data = _data_paths(cfg, record)
     check_settings(c)
     check_layout(c, world)
-    notes = _compare_with_checkpoint(cfg, record, world) if record else []
+    notes = _compare_with_checkpoint(cfg, c, record, world) if record else []
     _check_steps(c, start)
     _check_tokenizer(c, start)
     digest = _check_data(c, record)

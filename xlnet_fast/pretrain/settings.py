@@ -29,10 +29,14 @@ PRESETS = {
 
 # Settings a run cannot change once started (a resume with another value is an error) ...
 FIXED_SETTINGS = ("preset", "vocab_size", "seq_len", "mem_len", "reuse_len", "num_predict", "perm_size",
-                  "bi_data", "batch_size", "grad_accum", "seed", "fsdp")
+                  "bi_data", "grad_accum", "seed")
+# ... the rows per rank, which may change with the number of ranks as long as the global batch
+# (ranks x batch_size x grad_accum) stays (run_dir checks it) ...
+PER_RANK_SETTINGS = ("batch_size",)
 # ... and those a resume may change (the new value is applied and said once).
 CHANGEABLE_SETTINGS = ("steps", "lr", "warmup", "schedule", "weight_decay", "adam_eps", "clip", "dropout",
-                       "save_every", "keep", "log_every")
+                       "save_every", "keep", "log_every", "fsdp")
+STORED_SETTINGS = FIXED_SETTINGS + PER_RANK_SETTINGS + CHANGEABLE_SETTINGS  # run.json's "settings"
 DEFAULTS = dict(preset="tiny", steps=40, save_every=0, keep=3, log_every=1, grad_accum=1, bi_data=False,
                 schedule="linear", weight_decay=0.01, adam_eps=1e-6, clip=1.0, dropout=0.1, seed=0, fsdp=False)
 _NOT_CLI_FLAGS = {"weight_decay", "adam_eps", "clip"}
@@ -77,6 +81,7 @@ class TrainConfig:
     backend: str = "auto"
     compile: bool = False
     checkpointing: bool = False
+    async_save: bool = False  # write checkpoints in the background (the step waits for the copy to host only)
     fsdp: bool | None = None
     seed: int | None = None
     cache_dir: str | None = None
@@ -90,7 +95,7 @@ class TrainConfig:
         if preset not in PRESETS:
             raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
         c = dataclasses.replace(self, preset=preset)
-        for name in FIXED_SETTINGS + CHANGEABLE_SETTINGS:
+        for name in STORED_SETTINGS:
             if getattr(c, name) is None:
                 value = stored.get(name)
                 if value is None:
