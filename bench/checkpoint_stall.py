@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_stall.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_stall.json"  # bench.runner.RESULTS_DIR
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "xlnet_fast_bench" / "checkpoint_stall.json"
 ROWS_PER_RANK = 16  # the base preset's --batch-size
 MODES = ("sync", "async")
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
           f"AdamW, mems of {ROWS_PER_RANK} rows per rank; per mode {args.saves} saves, each after "
           f"{args.steps_between} training steps (B=1, seq {args.seq}). Takes about 2 minutes on 2 idle cores "
           "(model set-up, training steps, 4 checkpoints of ~1.9 GB written and hashed).", flush=True)
-    from bench.records import append_records, environment
+    from bench.runner import append_records, environment
     from xlnet_fast.pretrain import train_tokenizer
 
     work = tempfile.mkdtemp(prefix="checkpoint_stall_", dir=args.work_dir)

@@ -104,7 +104,7 @@ def _bad_files(tmp_path):
 
 BAD_FILES = [
     ("missing.txt", "data file not found: {path}"),
-    (".", "data file is not a regular file: {path}"),
+    (".", "--data {path} is a directory without index.json, not prepared data"),
     ("empty.txt", "{path}: no text (the file is empty or holds only blank lines)"),
     ("blank.txt", "{path}: no text"),
     ("blank_text.jsonl", "{path}: no text"),

@@ -75,6 +75,30 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_prepare(args: argparse.Namespace) -> int:
+    import logging
+
+    from .pretrain.data import check_readable
+    from .pretrain.errors import UsageError
+    from .pretrain.prepare import prepare_corpus
+    from .pretrain.tokenizer import XLNetTokenizer
+
+    for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {value}")
+    check_readable(args.files)
+    try:
+        tokenizer = XLNetTokenizer.from_pretrained(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    data = prepare_corpus(args.files, tokenizer, args.out, workers=args.workers, shard_tokens=args.shard_tokens,
+                          progress=not args.no_progress)
+    print(f"{args.out}: {len(data)} tokens ({data.dtype.name}) in {len(data.index['shards'])} shard(s), "
+          f"{data.num_documents} documents from {len(args.files)} file(s)")
+    return 0
+
+
 def _main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -145,6 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000)
     t.add_argument("--out", required=True)
     t.set_defaults(func=_tokenizer_train)
+
+    from .pretrain.prepare import DEFAULT_SHARD_TOKENS, default_workers
+
+    p = sub.add_parser("data", help="pretraining data tools")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("prepare", help="encode text files into token shards for `pretrain --data DIR`",
+                        description="Encode text files into a directory of token shards (uint16 or int32) with an "
+                        "index, in parallel; resumes an interrupted run; out-of-date data is prepared again.")
+    d.add_argument("files", nargs="+", metavar="FILE", help=".txt (blank line = new document) or .jsonl with a "
+                   "string 'text' field, UTF-8")
+    d.add_argument("--tokenizer", required=True, help="directory with spiece.model (required)")
+    d.add_argument("--out", required=True, help="output directory (required); a copy of the tokenizer goes to "
+                   "OUT/tokenizer")
+    d.add_argument("--workers", type=int, default=None, help="encoding processes (default: the usable CPU cores, "
+                   f"{default_workers()} here)")
+    d.add_argument("--shard-tokens", type=int, dest="shard_tokens", default=DEFAULT_SHARD_TOKENS,
+                   help="tokens per shard, at least; an interrupted run resumes at a shard (default: %(default)s)")
+    d.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar (default: a "
+                   "bar on stderr)")
+    d.set_defaults(func=_data_prepare)
     return parser
 
 

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,24 +26,32 @@ from ..masks import local_perm
 from .errors import UsageError
 from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, SPECIAL_TOKENS, XLNetTokenizer
 
+if TYPE_CHECKING:
+    from .prepare import TokenShards
+
 
 # --------------------------------------------------------------------------------------------------
 # Corpus -> token shard
 # --------------------------------------------------------------------------------------------------
 
 
+def decode_line(path: str, lineno: int, raw: bytes) -> str:
+    """One line of a UTF-8 file as text; other bytes are an error naming the file and line."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                         f"{exc.start + 1})") from None
+
+
 def _decoded_lines(path: str) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` of a UTF-8 file; other bytes are an error naming the file and line."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                                 f"{exc.start + 1})") from None
+            yield lineno, decode_line(path, lineno, raw)
 
 
-def _jsonl_record(path: str, lineno: int, line: str) -> tuple[str, object]:
+def jsonl_record(path: str, lineno: int, line: str) -> tuple[str, object]:
     """The ``text`` and the document key (``book`` or ``doc``) of one ``.jsonl`` line."""
     try:
         rec = json.loads(line)
@@ -61,7 +70,7 @@ def _jsonl_documents(path: str) -> Iterator[list[str]]:
     for lineno, line in _decoded_lines(path):
         if not line.strip():
             continue
-        text, key = _jsonl_record(path, lineno, line)
+        text, key = jsonl_record(path, lineno, line)
         if key != current and doc:
             yield doc
             doc = []
@@ -124,7 +133,7 @@ def check_corpus(paths: Iterable[str | os.PathLike]) -> None:
             raise UsageError(f"{p}: no text (the file is empty or holds only blank lines)")
 
 
-def _file_digest(path: str) -> str:
+def file_digest(path: str) -> str:
     """sha256 of the file's bytes (streamed) and of how it is parsed (``.jsonl`` or plain text)."""
     h = hashlib.sha256(b"jsonl:" if path.endswith(".jsonl") else b"text:")
     try:
@@ -138,9 +147,14 @@ def _file_digest(path: str) -> str:
 
 def corpus_digest(paths: Iterable[str | os.PathLike]) -> str:
     """A digest of the files' contents in the given order (the order of the token stream)."""
+    return combine_digests(file_digest(os.fspath(p)) for p in paths)
+
+
+def combine_digests(file_digests: Iterable[str]) -> str:
+    """``corpus_digest`` from the files' ``file_digest`` values, in order."""
     h = hashlib.sha256()
-    for p in paths:
-        h.update(_file_digest(os.fspath(p)).encode())
+    for d in file_digests:
+        h.update(d.encode())
     return h.hexdigest()
 
 
@@ -300,6 +314,24 @@ class DataConfig:
                              f"got {self.num_predict}")
 
 
+def _token_stream(tokens, tokenizer: XLNetTokenizer):
+    """``tokens`` as something ``PretrainBatches`` indexes: an array, or ``TokenShards`` checked
+    against the tokenizer."""
+    from .prepare import TokenShards, tokenizer_digest
+
+    if isinstance(tokens, (str, os.PathLike)):
+        tokens = TokenShards(tokens)
+    if isinstance(tokens, TokenShards):
+        if tokens.tokenizer_sha256 != tokenizer_digest(tokenizer):
+            raise UsageError(f"{tokens.directory} was prepared with another tokenizer than {tokenizer.model_file} "
+                             f"(its own is in {tokens.tokenizer_dir()})")
+        return tokens
+    if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be a 1-d integer array, TokenShards or a prepared directory, got "
+                        f"{type(tokens).__name__}")
+    return tokens
+
+
 class PretrainBatches:
     """Deterministic, resumable batches for one rank.
 
@@ -309,10 +341,13 @@ class PretrainBatches:
     batches of a rank do not depend on the number of ranks.
     """
 
-    def __init__(self, tokens: np.ndarray, tokenizer: XLNetTokenizer, cfg: DataConfig, rows: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, tokens: np.ndarray | TokenShards | str | os.PathLike, tokenizer: XLNetTokenizer,
+                 cfg: DataConfig, rows: int, rank: int = 0, world_size: int = 1) -> None:
+        """``tokens``: the token stream, as one array (``build_token_file``) or prepared data
+        (``TokenShards`` or its directory, from ``prepare_corpus``; it must be ``tokenizer``'s)."""
         c = cfg
         c.check()
+        tokens = _token_stream(tokens, tokenizer)
         if rows < 1:
             raise UsageError(f"rows (the batch size per rank) must be positive, got {rows}")
         self.cfg, self.tokens, self.rows = c, tokens, rows

@@ -24,9 +24,10 @@ import torch
 from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
 from .checkpoint import hash_file
-from .data import PretrainBatches, build_token_file, iter_lines
+from .data import PretrainBatches, iter_lines
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
+from .prepare import TokenShards, is_prepared_dir, prepare_corpus, prepared_directory, tokenizer_digest, workers_for
 from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
 from .settings import PRESETS, TrainConfig, check_settings, data_config
 from .sharded import CheckpointWriter, restore_training_state
@@ -57,6 +58,9 @@ def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> 
     while old checkpoints are rotated away."""
     if plan.checkpoint is None and c.tokenizer:
         return XLNetTokenizer.from_pretrained(c.tokenizer)
+    directory = prepared_directory(c.data)
+    if plan.checkpoint is None and directory is not None:
+        return TokenShards(directory).tokenizer()  # the one that encoded the data
     if plan.checkpoint is not None:
         source = os.path.join(plan.checkpoint, SPIECE_NAME)
         key = "model-" + hash_file(source)["sha256"][:16]
@@ -79,14 +83,22 @@ def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> 
 
 def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, rank: int,
                      world: int) -> PretrainBatches:
-    tok_digest = hash_file(tokenizer.model_file)["sha256"]
-    key = hashlib.sha256(f"{plan.data_digest}:{tok_digest}".encode()).hexdigest()
-    token_path = os.path.join(cache_root(c), "shards", key[:16] + ".bin")
-    if rank == 0:
-        build_token_file(c.data, tokenizer, token_path, fingerprint=key)
-    barrier(world)
-    tokens = build_token_file(c.data, tokenizer, token_path, fingerprint=key)
-    return PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
+    """Batches from the prepared directory given as ``--data``, or from the text files prepared (by
+    rank 0, the others wait) into the cache, keyed by the text's and the tokenizer's contents."""
+    directory = prepared_directory(c.data)
+    if directory is None:
+        key = hashlib.sha256(f"{plan.data_digest}:{tokenizer_digest(tokenizer)}".encode()).hexdigest()
+        directory = os.path.join(cache_root(c), "prepared", key[:16])
+
+        def prepare() -> None:
+            if not is_prepared_dir(directory):
+                logger.info("preparing the data into %s (for a large corpus, run `xlnet-fast data prepare` "
+                            "first and pass its directory as --data)", directory)
+            prepare_corpus(c.data, tokenizer, directory, workers=workers_for(c.data), progress=c.progress)
+
+        from_rank0(prepare, rank, world)
+    return PretrainBatches(TokenShards(directory), tokenizer, data_config(c), rows=c.batch_size, rank=rank,
+                           world_size=world)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

@@ -23,6 +23,7 @@ from .checkpoint import (checkpoint_root, hash_file, is_sharded, list_checkpoint
                          write_synced)
 from .data import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
+from .prepare import TOKENIZER_DIR, TokenShards, prepared_directory, tokenizer_digest
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
@@ -281,19 +282,28 @@ def _check_tokenizer(c: TrainConfig, start: _Start) -> None:
                          f"({os.path.join(start.path, SPIECE_NAME)}): it cannot change mid-run")
 
 
-def _check_data(c: TrainConfig, record: dict | None) -> str:
-    """Check the data files (once per content) and return their digest; on resume it must be the
-    checkpoint's."""
-    try:
-        check_readable(c.data)
-    except UsageError as exc:
-        hint = "" if not record or c.data != record.get("data") else " (the checkpoint's data: pass --data)"
-        raise UsageError(f"{exc}{hint}") from None
-    digest = corpus_digest(c.data)
+def _check_same_data(c: TrainConfig, record: dict | None, digest: str) -> None:
     if record and record.get("data_digest") not in (None, digest):
         raise UsageError(f"--data {' '.join(c.data)} differs from the checkpoint's data {' '.join(record['data'])} "
                          f"(content digest {digest[:12]} vs {record['data_digest'][:12]}): the data cannot "
                          "change mid-run")
+
+
+def _check_data(c: TrainConfig, record: dict | None) -> str:
+    """Check the data files (once per content), or the prepared directory, and return the digest of
+    the text's contents; on resume it must be the checkpoint's."""
+    hint = "" if not record or c.data != record.get("data") else " (the checkpoint's data: pass --data)"
+    try:
+        directory = prepared_directory(c.data)
+        if directory is not None:
+            digest = TokenShards(directory).corpus_sha256  # complete, every shard in place
+            _check_same_data(c, record, digest)
+            return digest
+        check_readable(c.data)
+    except UsageError as exc:
+        raise UsageError(f"{exc}{hint}") from None
+    digest = corpus_digest(c.data)
+    _check_same_data(c, record, digest)
     marker = os.path.join(cache_root(c), "checked", digest)
     if not os.path.exists(marker):
         check_corpus(c.data)
@@ -303,6 +313,22 @@ def _check_data(c: TrainConfig, record: dict | None) -> str:
         except OSError as exc:
             raise UsageError(f"--cache-dir {cache_root(c)} is not writable ({exc.strerror})") from None
     return digest
+
+
+def _check_data_tokenizer(c: TrainConfig, start: _Start) -> None:
+    """Prepared data must have been encoded by the tokenizer the run will use (``--tokenizer``, or
+    the checkpoint's on resume; without either the data's own)."""
+    directory = prepared_directory(c.data)
+    if directory is None or not (c.tokenizer or start.path):
+        return
+    if start.path:
+        name, tokenizer = "the checkpoint's tokenizer", XLNetTokenizer(os.path.join(start.path, SPIECE_NAME))
+    else:
+        name, tokenizer = f"--tokenizer {c.tokenizer}", XLNetTokenizer.from_pretrained(c.tokenizer)
+    if tokenizer_digest(tokenizer) != TokenShards(directory).tokenizer_sha256:
+        raise UsageError(f"--data {directory} was prepared with another tokenizer than {name} (the data's own is "
+                         f"{os.path.join(directory, TOKENIZER_DIR)})" + ("" if start.path else
+                         ": leave --tokenizer out to use it"))
 
 
 def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
@@ -344,6 +370,7 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     _check_steps(c, start)
     _check_tokenizer(c, start)
     digest = _check_data(c, record)
+    _check_data_tokenizer(c, start)
     _tidy_run_dir(c, start)
     return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes)
 

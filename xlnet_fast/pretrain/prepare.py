@@ -1,0 +1,798 @@
+"""Corpus-scale tokenization: text files -> a directory of token shards with an index (docs/DESIGN.md §7).
+
+``prepare_corpus`` reads the corpus in chunks of lines, encodes the chunks in worker processes and
+writes the results in order, so the output is byte-identical whatever the number of workers and
+memory stays bounded whatever the corpus size. The token stream is ``build_token_file``'s: each
+document's lines encoded one by one (no special tokens), then ``<eod>``; ``.jsonl`` documents are
+runs of records with the same ``book`` (or ``doc``) value, text documents end at a blank line.
+
+A prepared directory::
+
+    index.json            format, dtype, tokenizer and source hashes, shards; rewritten atomically
+                          after each shard, ``"complete": true`` once all is written
+    shard-00000.bin       tokens, little-endian uint16 (vocabulary <= 65536) else int32
+    shard-00000.docs.bin  little-endian int64: the end (exclusive, within the shard) of every
+                          document whose ``<eod>`` is in the shard
+    tokenizer/            the tokenizer that encoded it (``XLNetTokenizer.from_pretrained``)
+
+Shards hold at least ``shard_tokens`` tokens (the last one fewer) and end after a whole source line;
+the index records where in the sources each ends, so an interrupted prepare resumes after the last
+complete shard. A source whose content changed (sha256) invalidates the directory: it is prepared
+again, with a warning saying why. ``TokenShards`` memory-maps the shards as one token sequence.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+
+import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent prepares of one directory are not serialised
+    fcntl = None
+
+from .data import check_readable, combine_digests, decode_line, file_digest, jsonl_record
+from .errors import UsageError
+from .tokenizer import EOD_ID, XLNetTokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "xlnet_fast.prepared/1"
+INDEX_NAME = "index.json"
+TOKENIZER_DIR = "tokenizer"
+LOCK_NAME = "prepare.lock"
+DEFAULT_SHARD_TOKENS = 1 << 24  # 32 MB per shard as uint16
+CHUNK_BYTES = 1 << 19  # source bytes per work item (lines are never split)
+UINT16_VOCAB_LIMIT = 1 << 16  # vocabularies up to this size store their ids as uint16
+_SHARD_FILE = re.compile(r"shard-(\d{5,})(?:\.docs)?\.bin(?:\.tmp\d+)?")
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.bin"
+
+
+def docs_name(i: int) -> str:
+    return f"shard-{i:05d}.docs.bin"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id of the vocabulary fits, else int32 (little-endian either way)."""
+    return np.dtype("<u2") if vocab_size <= UINT16_VOCAB_LIMIT else np.dtype("<i4")
+
+
+def tokenizer_options(tokenizer: XLNetTokenizer) -> dict:
+    """The options besides the model file that change what ``encode`` returns."""
+    return {"do_lower_case": tokenizer.do_lower_case, "remove_space": tokenizer.remove_space,
+            "keep_accents": tokenizer.keep_accents}
+
+
+def tokenizer_digest(tokenizer: XLNetTokenizer) -> str:
+    """sha256 of the sentencepiece model's bytes and the encoding options."""
+    h = hashlib.sha256(json.dumps(tokenizer_options(tokenizer), sort_keys=True).encode())
+    with open(tokenizer.model_file, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()
+
+
+def default_workers() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the sources in chunks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """A place between two source lines: source ``source`` (an index), ``offset`` bytes and ``line``
+    lines of it read, whether a document is open there and (``.jsonl``) the open document's key."""
+
+    source: int = 0
+    offset: int = 0
+    line: int = 0
+    in_document: bool = False
+    key: object = None
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict) -> "Position":
+        return cls(int(record["source"]), int(record["offset"]), int(record["line"]),
+                   bool(record["in_document"]), record.get("key"))
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """Whole lines of one source: ``lines[0]`` starts at byte ``offset``, after ``line`` lines."""
+
+    source: int
+    path: str
+    offset: int
+    line: int
+    lines: list[bytes]
+
+    @property
+    def jsonl(self) -> bool:
+        return self.path.endswith(".jsonl")
+
+
+@dataclasses.dataclass
+class _SourceEnd:
+    """The end of source ``source`` (closes its open document)."""
+
+    source: int
+
+
+def _read_chunks(paths: list[str], start: Position, chunk_bytes: int) -> Iterator[_Chunk | _SourceEnd]:
+    """The sources from ``start`` on, as chunks of about ``chunk_bytes`` bytes of whole lines."""
+    for s in range(start.source, len(paths)):
+        offset, line = (start.offset, start.line) if s == start.source else (0, 0)
+        with open(paths[s], "rb") as f:
+            f.seek(offset)
+            while lines := f.readlines(chunk_bytes):
+                yield _Chunk(s, paths[s], offset, line, lines)
+                offset += sum(map(len, lines))
+                line += len(lines)
+        yield _SourceEnd(s)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoding (in the workers)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Encoded:
+    """A chunk's lines encoded: ``tokens`` (T,) int32 all lines' ids in order; ``counts`` (n,) the ids
+    of each line; ``blank`` (n,) bool; ``keys``: each ``.jsonl`` line's document key (None if blank)."""
+
+    tokens: np.ndarray
+    counts: np.ndarray
+    blank: list[bool]
+    keys: list | None
+
+
+def encode_chunk(tokenizer: XLNetTokenizer, chunk: _Chunk) -> _Encoded:
+    """Decode, parse and encode each line of ``chunk`` as ``build_token_file`` does (no special
+    tokens); a bad line raises ``UsageError`` naming the file and line."""
+    ids: list[int] = []
+    counts: list[int] = []
+    blank: list[bool] = []
+    keys: list | None = [] if chunk.jsonl else None
+    for i, raw in enumerate(chunk.lines):
+        lineno = chunk.line + i + 1
+        line = decode_line(chunk.path, lineno, raw)
+        is_blank = not line.strip()
+        blank.append(is_blank)
+        key = None
+        if is_blank:
+            text = ""
+        elif keys is not None:
+            text, key = jsonl_record(chunk.path, lineno, line)
+        else:
+            text = line.strip()
+        if keys is not None:
+            keys.append(key)
+        line_ids = [] if is_blank else tokenizer.encode(text, add_special_tokens=False)
+        ids.extend(line_ids)
+        counts.append(len(line_ids))
+    return _Encoded(np.array(ids, dtype=np.int32), np.array(counts, dtype=np.int64), blank, keys)
+
+
+_worker_tokenizer: XLNetTokenizer | None = None
+
+
+def _init_worker(model_file: str, options: dict) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = XLNetTokenizer(model_file, **options)
+
+
+def _encode_in_worker(chunk: _Chunk) -> _Encoded:
+    return encode_chunk(_worker_tokenizer, chunk)
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    """``fork`` (the workers start at once) from a process with no other Python thread, no CUDA and
+    no process group; else ``forkserver``, safe for a threaded parent (the server imports this module
+    once; a script calling ``prepare_corpus`` then needs the ``if __name__ == "__main__"`` guard)."""
+    torch = sys.modules.get("torch")
+    threaded = threading.active_count() > 1 or (torch is not None and (
+        torch.cuda.is_initialized() or (torch.distributed.is_available() and torch.distributed.is_initialized())))
+    if not threaded and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+@contextlib.contextmanager
+def _encoder(tokenizer: XLNetTokenizer, workers: int) -> Iterator[Callable[[_Chunk], Future]]:
+    """``submit(chunk) -> Future[_Encoded]``: in this process for one worker, else in a pool of
+    ``workers`` processes."""
+    if workers == 1:
+        def submit(chunk: _Chunk) -> Future:
+            done: Future = Future()
+            done.set_result(encode_chunk(tokenizer, chunk))
+            return done
+
+        yield submit
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_init_worker,
+                               initargs=(tokenizer.model_file, tokenizer_options(tokenizer)))
+    try:
+        yield lambda chunk: pool.submit(_encode_in_worker, chunk)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequencing: documents and <eod> across chunks (in this process, in source order)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Part of the token stream: ``stream`` (T,) ids; ``unit_ends`` (U,) where each source line's
+    tokens end in it (the places a shard may end); ``doc_ends`` the end (exclusive) of each document
+    closed in it; ``positions[u]`` the source position after unit u; ``nbytes`` source bytes read."""
+
+    stream: np.ndarray
+    unit_ends: np.ndarray
+    doc_ends: np.ndarray
+    positions: Callable[[int], Position]
+    nbytes: int
+    end: Position
+
+
+def _document_marks(enc: _Encoded, jsonl: bool, state: Position) -> tuple[list[bool], list[bool], list]:
+    """Per line: whether an ``<eod>`` comes before its tokens, and whether a document is open and
+    which key it has after the line."""
+    eod, open_after, key_after = [], [], []
+    in_doc, key = state.in_document, state.key
+    for i, blank in enumerate(enc.blank):
+        ends = False
+        if blank:
+            ends, in_doc = (False, in_doc) if jsonl else (in_doc, False)
+        else:
+            if jsonl:
+                ends = in_doc and enc.keys[i] != key
+                key = enc.keys[i]
+            in_doc = True
+        eod.append(ends)
+        open_after.append(in_doc)
+        key_after.append(key)
+    return eod, open_after, key_after
+
+
+def _sequence_chunk(chunk: _Chunk, enc: _Encoded, state: Position) -> _Piece:
+    eod, open_after, key_after = _document_marks(enc, chunk.jsonl, state)
+    eod_lines = np.flatnonzero(np.array(eod, dtype=bool))
+    line_starts = np.cumsum(enc.counts) - enc.counts
+    stream = np.insert(enc.tokens, line_starts[eod_lines], EOD_ID)
+    byte_ends = np.cumsum(np.fromiter(map(len, chunk.lines), dtype=np.int64, count=len(chunk.lines)))
+
+    def position(u: int) -> Position:
+        return Position(chunk.source, chunk.offset + int(byte_ends[u]), chunk.line + u + 1, open_after[u],
+                        key_after[u])
+
+    return _Piece(stream=stream, unit_ends=np.cumsum(enc.counts + np.array(eod, dtype=np.int64)),
+                  doc_ends=line_starts[eod_lines] + np.arange(1, len(eod_lines) + 1), positions=position,
+                  nbytes=int(byte_ends[-1]), end=position(len(chunk.lines) - 1))
+
+
+def _sequence_source_end(end: _SourceEnd, state: Position) -> _Piece:
+    stream = np.array([EOD_ID] if state.in_document else [], dtype=np.int32)
+    after = Position(end.source + 1)
+    return _Piece(stream=stream, unit_ends=np.array([len(stream)]), doc_ends=np.arange(1, len(stream) + 1),
+                  positions=lambda u: after, nbytes=0, end=after)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing shards and the index
+# --------------------------------------------------------------------------------------------------
+
+
+def _write_json_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class _OpenShard:
+    """The shard being written: its two temporary files, the tokens' sha256, documents ended in it."""
+
+    tokens: io.BufferedWriter
+    docs: io.BufferedWriter
+    digest: object
+    documents: int = 0
+
+    def files(self) -> tuple[io.BufferedWriter, io.BufferedWriter]:
+        return self.docs, self.tokens
+
+
+class _ShardWriter:
+    """Cuts the stream into shards of at least ``shard_tokens`` tokens, each ending after a whole
+    unit (source line); each shard is written to temporary files, renamed into place, then recorded
+    in the index."""
+
+    def __init__(self, out_dir: str, index: dict) -> None:
+        self.out_dir, self.index = out_dir, index
+        self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        self.shard_tokens = int(index["shard_tokens"])
+        self.closed_tokens = sum(s["tokens"] for s in index["shards"])
+        self.filled = 0
+        self._open: _OpenShard | None = None
+
+    def add(self, piece: _Piece) -> None:
+        done = 0
+        while True:
+            target = done + self.shard_tokens - self.filled
+            u = int(np.searchsorted(piece.unit_ends, target, side="left"))
+            if u == len(piece.unit_ends):
+                self._write(piece, done, len(piece.stream))
+                return
+            end = int(piece.unit_ends[u])
+            self._write(piece, done, end)
+            self._close(piece.positions(u))
+            done = end
+
+    def stream_tokens(self) -> int:
+        """Tokens written so far (closed shards and the open one)."""
+        return self.closed_tokens + self.filled
+
+    def _paths(self) -> tuple[str, str]:
+        i = len(self.index["shards"])
+        return os.path.join(self.out_dir, shard_name(i)), os.path.join(self.out_dir, docs_name(i))
+
+    def _write(self, piece: _Piece, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        if self._open is None:
+            suffix = f".tmp{os.getpid()}"
+            tokens_path, docs_path = self._paths()
+            self._open = _OpenShard(open(tokens_path + suffix, "wb"), open(docs_path + suffix, "wb"), hashlib.sha256())
+        shard = self._open
+        data = piece.stream[lo:hi].astype(self.dtype).tobytes()
+        shard.tokens.write(data)
+        shard.digest.update(data)
+        ends = piece.doc_ends[(piece.doc_ends > lo) & (piece.doc_ends <= hi)]
+        shard.docs.write((ends - lo + self.filled).astype("<i8").tobytes())
+        shard.documents += len(ends)
+        self.filled += hi - lo
+
+    def _close(self, end: Position) -> None:
+        shard = self._open
+        for f in shard.files():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(f.name, f.name.rsplit(".tmp", 1)[0])
+        tokens_path, _ = self._paths()
+        self.index["shards"].append({"file": os.path.basename(tokens_path), "tokens": self.filled,
+                                     "documents": shard.documents, "sha256": shard.digest.hexdigest(),
+                                     "end": end.to_json()})
+        self.closed_tokens += self.filled
+        self.filled, self._open = 0, None
+        _write_json_atomic(os.path.join(self.out_dir, INDEX_NAME), self.index)
+
+    def finish(self, end: Position) -> None:
+        """Close the last shard and mark the index complete."""
+        if self.filled:
+            self._close(end)
+        shards = self.index["shards"]
+        ends = self.index["source_end_tokens"]
+        for i, source in enumerate(self.index["sources"]):
+            source["tokens"] = ends[i] - (ends[i - 1] if i else 0)
+        self.index.update(complete=True, num_tokens=self.closed_tokens,
+                          num_documents=sum(s["documents"] for s in shards))
+        _write_json_atomic(os.path.join(self.out_dir, INDEX_NAME), self.index)
+
+    def discard(self) -> None:
+        """Remove the open shard's temporary files (after an error)."""
+        if self._open is not None:
+            for f in self._open.files():
+                f.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f.name)
+            self._open = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Which work is left: the index against the sources and the tokenizer
+# --------------------------------------------------------------------------------------------------
+
+
+def _fresh_index(paths: list[str], digests: list[str], tokenizer: XLNetTokenizer, tok_digest: str,
+                 shard_tokens: int) -> dict:
+    return {
+        "format": FORMAT,
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "vocab_size": tokenizer.vocab_size,
+        "eod_id": EOD_ID,
+        "tokenizer_sha256": tok_digest,
+        "corpus_sha256": combine_digests(digests),
+        "sources": [{"path": p, "sha256": d, "bytes": os.path.getsize(p)} for p, d in zip(paths, digests)],
+        "shard_tokens": shard_tokens,
+        "shards": [],
+        "source_end_tokens": [],
+        "complete": False,
+    }
+
+
+def read_index(directory: str) -> dict | None:
+    """The directory's index, or None when it has none or an unreadable one."""
+    try:
+        with open(os.path.join(directory, INDEX_NAME), encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) and index.get("format") == FORMAT else None
+
+
+def _why_not_reusable(old: dict, new: dict) -> str | None:
+    """Why an existing index cannot be continued for ``new``'s sources and settings (None: it can)."""
+    old_sources, new_sources = old.get("sources", []), new["sources"]
+    if len(old_sources) != len(new_sources):
+        return f"it was prepared from {len(old_sources)} source file(s), now {len(new_sources)} are given"
+    for was, now in zip(old_sources, new_sources):
+        if was.get("sha256") != now["sha256"]:
+            return (f"{now['path']} differs from the prepared source {was.get('path')} (content sha256 "
+                    f"{str(was.get('sha256'))[:12]} -> {now['sha256'][:12]})")
+    if old.get("tokenizer_sha256") != new["tokenizer_sha256"]:
+        return "it was encoded with another tokenizer"
+    for name in ("dtype", "shard_tokens", "eod_id"):
+        if old.get(name) != new[name]:
+            return f"its {name} {old.get(name)} differs from {new[name]}"
+    return None
+
+
+def _shard_ok(directory: str, i: int, shard: dict, itemsize: int) -> bool:
+    tokens = os.path.join(directory, shard_name(i))
+    docs = os.path.join(directory, docs_name(i))
+    return (os.path.isfile(tokens) and os.path.getsize(tokens) == shard["tokens"] * itemsize
+            and os.path.isfile(docs) and os.path.getsize(docs) == shard["documents"] * 8)
+
+
+def _continue_index(directory: str, old: dict, new: dict) -> dict:
+    """``old``'s shards up to the first one missing or of the wrong size; the rest is prepared again."""
+    itemsize = np.dtype(new["dtype"]).itemsize
+    shards = old["shards"]
+    good = next((i for i, s in enumerate(shards) if not _shard_ok(directory, i, s, itemsize)), len(shards))
+    if good < len(shards):
+        logger.warning("%s: %s is missing or truncated: preparing again from there", directory, shard_name(good))
+    index = dict(new, shards=shards[:good])
+    end = Position.from_json(shards[good - 1]["end"]) if good else Position()
+    index["source_end_tokens"] = old.get("source_end_tokens", [])[:end.source]
+    index["complete"] = bool(old.get("complete")) and good == len(shards)
+    if index["complete"]:
+        index.update({k: old[k] for k in ("num_tokens", "num_documents")})
+        index["sources"] = [dict(s, tokens=o.get("tokens")) for s, o in zip(new["sources"], old["sources"])]
+    return index
+
+
+def _start_index(directory: str, new: dict) -> dict:
+    """The index to continue: the existing one if it matches ``new``'s sources and settings, else
+    ``new`` (saying why the existing one is discarded)."""
+    old = read_index(directory)
+    if old is None:
+        if os.path.exists(os.path.join(directory, INDEX_NAME)):
+            logger.warning("%s: unreadable %s: preparing from the start", directory, INDEX_NAME)
+        return new
+    reason = _why_not_reusable(old, new)
+    if reason is not None:
+        logger.warning("%s holds prepared data that is out of date (%s): preparing it again", directory, reason)
+        return new
+    return _continue_index(directory, old, new)
+
+
+def _remove_stale_files(directory: str, keep_shards: int) -> None:
+    """Delete shard files (and temporary files) not among the first ``keep_shards`` shards."""
+    for name in os.listdir(directory):
+        m = _SHARD_FILE.fullmatch(name)
+        if m and (int(m.group(1)) >= keep_shards or ".tmp" in name):
+            os.remove(os.path.join(directory, name))
+        elif name.startswith(INDEX_NAME + ".tmp"):
+            os.remove(os.path.join(directory, name))
+
+
+def _save_tokenizer(directory: str, tokenizer: XLNetTokenizer, digest: str) -> None:
+    """``directory/tokenizer``, unless it already holds this tokenizer."""
+    final = os.path.join(directory, TOKENIZER_DIR)
+    with contextlib.suppress(OSError, ValueError):
+        if tokenizer_digest(XLNetTokenizer.from_pretrained(final)) == digest:
+            return
+    tmp = f"{final}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """One prepare at a time in ``directory``: a second one waits for the first."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("%s: another process is preparing it: waiting", directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prepare
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_arguments(paths: list[str], out_dir: str, workers: int, shard_tokens: int, chunk_bytes: int) -> None:
+    for name, value in (("workers", workers), ("shard_tokens", shard_tokens), ("chunk_bytes", chunk_bytes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if not paths:
+        raise UsageError("no source files given")
+    check_readable(paths)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UsageError(f"{out_dir} is a file, not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create {out_dir} ({exc.strerror or exc})") from None
+
+
+class _Progress:
+    """A tqdm bar on stderr in source MB, with tokens/s."""
+
+    def __init__(self, total: int, done: int, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        class Bar(tqdm):
+            monitor_interval = 0  # no monitor thread: a later prepare may still fork its workers
+
+        self.bar = Bar(total=total, initial=done, unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
+                       disable=not enabled, dynamic_ncols=True, smoothing=0.1)
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def update(self, nbytes: int, ntokens: int) -> None:
+        self.tokens += ntokens
+        self.bar.update(nbytes)
+        elapsed = time.perf_counter() - self.start
+        if elapsed > 0:
+            self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _run(paths: list[str], tokenizer: XLNetTokenizer, writer: _ShardWriter, start: Position, workers: int,
+         chunk_bytes: int, show_progress: bool) -> Position:
+    """Encode the sources from ``start`` and hand the pieces to ``writer`` in order; at most
+    2 x ``workers`` chunks are in flight. Returns the position after the last source."""
+    state = start
+    pending: collections.deque = collections.deque()
+    sources = writer.index["sources"]
+    done = sum(s["bytes"] for s in sources[:start.source]) + start.offset
+
+    def consume() -> None:
+        nonlocal state
+        item, future = pending.popleft()
+        if isinstance(item, _Chunk):
+            piece = _sequence_chunk(item, future.result(), state)
+        else:
+            piece = _sequence_source_end(item, state)
+        if isinstance(item, _SourceEnd):  # recorded first: a shard may end with this piece
+            writer.index["source_end_tokens"].append(writer.stream_tokens() + len(piece.stream))
+        writer.add(piece)
+        progress.update(piece.nbytes, len(piece.stream))
+        state = piece.end
+
+    with _encoder(tokenizer, workers) as submit, contextlib.closing(
+            _Progress(sum(s["bytes"] for s in sources), done, show_progress)) as progress:  # after the fork
+        for item in _read_chunks(paths, start, chunk_bytes):
+            pending.append((item, submit(item) if isinstance(item, _Chunk) else None))
+            while len(pending) > 2 * workers:
+                consume()
+        while pending:
+            consume()
+    return state
+
+
+def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: XLNetTokenizer, out_dir: str | os.PathLike, *,
+                   workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = False,
+                   chunk_bytes: int = CHUNK_BYTES) -> "TokenShards":
+    """Encode ``paths`` with ``tokenizer`` into ``out_dir`` (see the module docstring) using ``workers``
+    processes (default: the usable cores); continues an interrupted prepare, re-prepares out-of-date
+    data and returns at once when ``out_dir`` is already prepared from these contents."""
+    paths = [os.path.abspath(os.fspath(p)) for p in paths]
+    out_dir = os.fspath(out_dir)
+    workers = default_workers() if workers is None else workers
+    _check_arguments(paths, out_dir, workers, shard_tokens, chunk_bytes)
+    with _directory_lock(out_dir):
+        tok_digest = tokenizer_digest(tokenizer)
+        new = _fresh_index(paths, [file_digest(p) for p in paths], tokenizer, tok_digest, shard_tokens)
+        index = _start_index(out_dir, new)
+        _save_tokenizer(out_dir, tokenizer, tok_digest)
+        if index["complete"]:
+            return TokenShards(out_dir)
+        _remove_stale_files(out_dir, len(index["shards"]))
+        _write_json_atomic(os.path.join(out_dir, INDEX_NAME), index)
+        start = Position.from_json(index["shards"][-1]["end"]) if index["shards"] else Position()
+        if index["shards"]:
+            logger.info("%s: resuming after %d complete shard(s)", out_dir, len(index["shards"]))
+        writer = _ShardWriter(out_dir, index)
+        try:
+            end = _run(paths, tokenizer, writer, start, workers, chunk_bytes, progress)
+            if writer.stream_tokens() == 0:
+                raise UsageError(f"no text found in {paths}")
+            writer.finish(end)
+        except BaseException:
+            writer.discard()
+            raise
+    return TokenShards(out_dir)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading prepared data
+# --------------------------------------------------------------------------------------------------
+
+
+def is_prepared_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory with a prepared-data index (complete or not)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX_NAME))
+
+
+def prepared_directory(paths: Iterable[str | os.PathLike]) -> str | None:
+    """The directory when ``paths`` is one prepared directory, None when it names no directory;
+    ``UsageError`` for a directory that is not prepared data or one mixed with other paths."""
+    paths = [os.fspath(p) for p in paths]
+    dirs = [p for p in paths if os.path.isdir(p)]
+    if not dirs:
+        return None
+    if not is_prepared_dir(dirs[0]):
+        raise UsageError(f"--data {dirs[0]} is a directory without {INDEX_NAME}, not prepared data: prepare it "
+                         "with `xlnet-fast data prepare FILE... --out DIR` or pass the text files")
+    if len(paths) > 1:
+        raise UsageError(f"--data takes text files or one prepared directory, got {len(dirs)} "
+                         f"director{'y' if len(dirs) == 1 else 'ies'} among {len(paths)} paths")
+    return dirs[0]
+
+
+MIN_BYTES_PER_WORKER = 8 * CHUNK_BYTES  # a smaller corpus is not worth another process
+
+
+def workers_for(paths: Iterable[str | os.PathLike]) -> int:
+    """Worker processes worth starting for these files: the usable cores, but at most one per
+    ``MIN_BYTES_PER_WORKER`` bytes (a small corpus is encoded in this process)."""
+    total = sum(os.path.getsize(p) for p in paths)
+    return max(1, min(default_workers(), total // MIN_BYTES_PER_WORKER))
+
+
+class TokenShards:
+    """A prepared directory's token stream as one read-only sequence over memory-mapped shards.
+
+    ``len()`` is the number of tokens; indexing takes an int, a slice or an integer array and returns
+    ids in the shards' dtype (uint16 or int32), like indexing one ``np.memmap`` of the whole stream.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = os.fspath(directory)
+        index = read_index(self.directory)
+        if index is None:
+            raise UsageError(f"{self.directory} is not prepared data (no readable {INDEX_NAME}): prepare it "
+                             "with `xlnet-fast data prepare`")
+        if not index.get("complete"):
+            raise UsageError(f"{self.directory}: its preparation did not finish: run `xlnet-fast data prepare` "
+                             "again with the same files to resume it")
+        self.index = index
+        self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        self._maps = []
+        for i, shard in enumerate(index["shards"]):
+            if not _shard_ok(self.directory, i, shard, self.dtype.itemsize):
+                raise UsageError(f"{self.directory}: {shard_name(i)} is missing or truncated: prepare it again")
+            self._maps.append(np.memmap(os.path.join(self.directory, shard_name(i)), dtype=self.dtype, mode="r",
+                                        shape=(shard["tokens"],)))
+        self._starts = np.cumsum([0] + [s["tokens"] for s in index["shards"]])
+        self._len = int(self._starts[-1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.index["vocab_size"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.index["tokenizer_sha256"]
+
+    @property
+    def corpus_sha256(self) -> str:
+        """``corpus_digest`` of the sources it was prepared from."""
+        return self.index["corpus_sha256"]
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.index["num_documents"])
+
+    def tokenizer(self) -> XLNetTokenizer:
+        """The tokenizer that encoded the data."""
+        return XLNetTokenizer.from_pretrained(os.path.join(self.directory, TOKENIZER_DIR))
+
+    def tokenizer_dir(self) -> str:
+        return os.path.join(self.directory, TOKENIZER_DIR)
+
+    def document_ends(self) -> np.ndarray:
+        """(num_documents,) int64: the end (exclusive) of each document in the stream."""
+        parts = [np.fromfile(os.path.join(self.directory, docs_name(i)), dtype="<i8") + self._starts[i]
+                 for i in range(len(self._maps))]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __repr__(self) -> str:
+        return f"TokenShards({self.directory!r}: {self._len} tokens in {len(self._maps)} shard(s), {self.dtype.name})"
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self._len)
+            if step == 1:
+                return self._range(start, max(start, stop))
+            key = np.arange(start, stop, step)
+        idx = np.asarray(key)
+        if idx.ndim == 0:
+            return self._gather(idx.reshape(1))[0]
+        return self._gather(idx)
+
+    def _range(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        parts = []
+        s = first
+        while start < stop:
+            lo = start - int(self._starts[s])
+            hi = min(stop, int(self._starts[s + 1])) - int(self._starts[s])
+            parts.append(self._maps[s][lo:hi])
+            start = int(self._starts[s + 1])
+            s += 1
+        return np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else np.zeros(0, self.dtype))
+
+    def _gather(self, idx: np.ndarray) -> np.ndarray:
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"TokenShards indices must be integers, got {idx.dtype}")
+        idx = np.where(idx < 0, idx + self._len, idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= self._len):
+            raise IndexError(f"index out of range for {self._len} tokens")
+        if len(self._maps) == 1:
+            return self._maps[0][idx]
+        shard = np.searchsorted(self._starts, idx, side="right") - 1
+        out = np.empty(idx.shape, dtype=self.dtype)
+        for s in np.unique(shard):
+            sel = shard == s
+            out[sel] = self._maps[s][idx[sel] - self._starts[s]]
+        return out
