@@ -29,7 +29,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-RESULTS = Path(__file__).resolve().parent / "results" / "checkpoint_stall.json"  # bench.runner.RESULTS_DIR
+from bench.runner import RESULTS_DIR
+
+RESULTS = RESULTS_DIR / "checkpoint_stall.json"
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "xlnet_fast_bench" / "checkpoint_stall.json"
 ROWS_PER_RANK = 16  # the base preset's --batch-size
 MODES = ("sync", "async")
