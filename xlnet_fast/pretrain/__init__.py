@@ -2,8 +2,10 @@
 
 ``tokenizer`` (SentencePiece XLNet tokenizer), ``data`` (text -> tokens -> two-stream batches with
 compact masks), ``settings`` (presets, ``TrainConfig``), ``run_dir`` (lock, planning, metrics),
-``checkpoint`` (atomic, sealed, verified checkpoints), ``distributed`` (process-group helpers) and
-``loop`` (``pretrain``).
+``checkpoint`` (atomic, sealed, verified checkpoints), ``distributed`` (process-group helpers),
+``loop`` (``pretrain``), ``evaluate`` (held-out evaluation, ``xlnet-fast eval``), ``flops`` (FLOPs
+of a step, device peaks, tokens/s and MFU), ``summary`` and ``plot`` (the end-of-run summary,
+``loss.png``), ``artifacts`` (run, checkpoint and transformers directories) and ``export``.
 """
 
 from .checkpoint import check_checkpoint, list_checkpoints, load_latest_checkpoint
