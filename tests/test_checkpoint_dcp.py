@@ -45,7 +45,8 @@ def torchrun(port, out, cache, *args):
 
 
 def losses(out):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))}
+    rows = map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}  # training rows (evaluation rows have eval_loss)
 
 
 def branch(src_out, step, dst_out):

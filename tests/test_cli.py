@@ -67,6 +67,10 @@ BAD_FLAGS = [
     (["--dropout", "1.5"], "--dropout must be in [0, 1), got 1.5"),
     (["--bi-data", "--batch-size", "3"], "--bi-data needs an even global batch"),
     (["--resume", "--overwrite"], "--resume continues the run in --out and --overwrite starts a new one"),
+    (["--eval-every", "-1"], "--eval-every must be 0 (at the end only) or a positive integer, got -1"),
+    (["--eval-batches", "0"], "--eval-batches must be a positive integer, got 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
+    (["--eval-data", "/nonexistent/held.txt"], "--eval-data: data file not found: /nonexistent/held.txt"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
 ]
@@ -186,7 +190,8 @@ def test_jsonl_records_still_train(tmp_path, capsys):
     rows = [{"book": b, "text": f"in the beginning god created day {i} and night"} for b in (1, 2) for i in range(60)]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     assert run(tmp_path, str(path), "--steps", "1", "--batch-size", "2", "--backend", "eager") == 0
-    assert [json.loads(line)["step"] for line in open(tmp_path / "run" / "metrics.jsonl")] == [1]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], "eval_loss" in r) for r in rows] == [(1, False), (1, True)]
 
 
 # ---------------------------------------------------------------------------------------------

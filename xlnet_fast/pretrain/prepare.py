@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import copy
 import hashlib
 import io
 import json
@@ -748,10 +749,17 @@ class TokenShards:
         return os.path.join(self.directory, TOKENIZER_DIR)
 
     def document_ends(self) -> np.ndarray:
-        """(num_documents,) int64: the end (exclusive) of each document in the stream."""
+        """(num_documents,) int64: the end (exclusive) of each document in the stream (within ``len()``)."""
         parts = [np.fromfile(os.path.join(self.directory, docs_name(i)), dtype="<i8") + self._starts[i]
                  for i in range(len(self._maps))]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return ends[ends <= self._len]
+
+    def head(self, n: int) -> "TokenShards":
+        """The first ``n`` tokens as a ``TokenShards`` over the same memory maps (no copy)."""
+        view = copy.copy(self)
+        view._len = max(0, min(int(n), self._len))
+        return view
 
     def __len__(self) -> int:
         return self._len

@@ -24,6 +24,7 @@ from .checkpoint import (checkpoint_root, hash_file, is_sharded, list_checkpoint
 from .data import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
 from .prepare import TOKENIZER_DIR, TokenShards, prepared_directory, tokenizer_digest
+from .evaluate import check_eval_files
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
 LOCK_NAME = "run.lock"
+CACHE_ENV = "XLNET_FAST_CACHE"  # the cache directory when --cache-dir is not given
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,7 +178,12 @@ class RunPlan:
 
 
 def cache_root(c: TrainConfig) -> str:
-    return c.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "xlnet_fast")
+    """Tokenizers and token shards: ``--cache-dir``, else ``$XLNET_FAST_CACHE``, else ~/.cache/xlnet_fast."""
+    return default_cache_dir(c.cache_dir)
+
+
+def default_cache_dir(given: str | None = None) -> str:
+    return given or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "xlnet_fast")
 
 
 def _make_out_dir(out: str) -> None:
@@ -371,6 +378,8 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     _check_tokenizer(c, start)
     digest = _check_data(c, record)
     _check_data_tokenizer(c, start)
+    if c.eval_data:
+        check_eval_files(c.eval_data)
     _tidy_run_dir(c, start)
     return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes)
 

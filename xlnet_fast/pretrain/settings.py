@@ -29,17 +29,18 @@ PRESETS = {
 
 # Settings a run cannot change once started (a resume with another value is an error) ...
 FIXED_SETTINGS = ("preset", "vocab_size", "seq_len", "mem_len", "reuse_len", "num_predict", "perm_size",
-                  "bi_data", "grad_accum", "seed")
+                  "bi_data", "grad_accum", "seed", "hold_out")
 # ... the rows per rank, which may change with the number of ranks as long as the global batch
 # (ranks x batch_size x grad_accum) stays (run_dir checks it) ...
 PER_RANK_SETTINGS = ("batch_size",)
 # ... and those a resume may change (the new value is applied and said once).
 CHANGEABLE_SETTINGS = ("steps", "lr", "warmup", "schedule", "weight_decay", "adam_eps", "clip", "dropout",
-                       "save_every", "keep", "log_every", "fsdp")
+                       "save_every", "keep", "log_every", "fsdp", "eval_data", "eval_every", "eval_batches")
 STORED_SETTINGS = FIXED_SETTINGS + PER_RANK_SETTINGS + CHANGEABLE_SETTINGS  # run.json's "settings"
 DEFAULTS = dict(preset="tiny", steps=40, save_every=0, keep=3, log_every=1, grad_accum=1, bi_data=False,
-                schedule="linear", weight_decay=0.01, adam_eps=1e-6, clip=1.0, dropout=0.1, seed=0, fsdp=False)
-_NOT_CLI_FLAGS = {"weight_decay", "adam_eps", "clip"}
+                schedule="linear", weight_decay=0.01, adam_eps=1e-6, clip=1.0, dropout=0.1, seed=0, fsdp=False,
+                eval_every=0, eval_batches=10)
+_NOT_CLI_FLAGS = {"weight_decay", "adam_eps", "clip", "hold_out"}
 
 
 def setting_flag(name: str) -> str:
@@ -84,8 +85,19 @@ class TrainConfig:
     async_save: bool = False  # write checkpoints in the background (the step waits for the copy to host only)
     fsdp: bool | None = None
     seed: int | None = None
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # default: $XLNET_FAST_CACHE, else ~/.cache/xlnet_fast
     progress: bool = True
+    eval_data: list[str] | None = None  # held-out text; None: the tail of the training tokens is held out
+    eval_every: int | None = None  # steps between evaluations, 0: at the end only
+    eval_batches: int | None = None  # batches of the global batch's rows per evaluation
+    hold_out: bool | None = None  # the training tokens' tail is held out (fixed at the run's start)
+    peak_tflops: float | None = None  # one device's dense bf16 peak for MFU (default: by device name)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval_data, (str, os.PathLike)):
+            self.eval_data = [self.eval_data]
+        if self.eval_data:
+            self.eval_data = [os.path.abspath(os.fspath(p)) for p in self.eval_data]
 
     def resolved(self, stored: dict | None = None) -> "TrainConfig":
         """A copy with every unset setting filled from ``stored`` (a checkpoint's settings), else from
@@ -101,6 +113,8 @@ class TrainConfig:
                 if value is None:
                     value = PRESETS[preset].get(name, DEFAULTS.get(name))
                 setattr(c, name, value)
+        if c.hold_out is None:  # a fresh run holds out text unless given some; an older run's record has none
+            c.hold_out = not c.eval_data if not stored else False
         return c
 
 
@@ -141,6 +155,9 @@ _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "backend": (lambda v: v in BACKENDS, ", ".join(map(repr, BACKENDS[:-1])) + f" or {BACKENDS[-1]!r}"),
     "bi_data": (lambda v: isinstance(v, bool), "True or False"),
     "fsdp": (lambda v: isinstance(v, bool), "True or False"),
+    "eval_every": (_integer(0), "0 (at the end only) or a positive integer"),
+    "eval_batches": (_integer(1), "a positive integer"),
+    "peak_tflops": (lambda v: v is None or _real(0, inclusive=False)(v), "a positive number"),
 }
 
 

@@ -1,0 +1,271 @@
+"""Held-out evaluation: the permutation-LM loss of a model on fixed records of held-out text.
+
+The records are made exactly as in training (the run's layout, span masks, factorization orders,
+two streams, mems carried from zero through the evaluation) but from a fixed seed, ``EVAL_SEED``, so
+a value is comparable across steps and across runs with the same layout and data. The model is in
+eval mode (no dropout); the training run's random generators and data streams are not touched.
+The rows are those of the run's global batch and each rank evaluates its own rows, so the loss (a
+sum over every target in float64, divided by their number) does not depend on how the rows are
+split across ranks. ``xlnet-fast eval`` evaluates the same rows one rank's share at a time.
+
+Without ``--eval-data`` a run holds out the tail of its training tokens: ``heldout_length`` tokens,
+about 1% of the corpus, at least 2 x seq_len and at most 32 x seq_len per row of the global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+
+import numpy as np
+import torch
+
+from .checkpoint import hash_file
+from .data import DataConfig, PretrainBatches, build_token_file, check_corpus, check_readable, corpus_digest
+from .distributed import all_sum, barrier
+from .errors import UsageError
+from .tokenizer import XLNetTokenizer
+
+logger = logging.getLogger(__name__)
+
+EVAL_SEED = 1234  # masking and factorization seed of every evaluation
+DEFAULT_EVAL_BATCHES = 10
+HELDOUT_SHARE = 100  # hold out ~1/100 of the corpus ...
+HELDOUT_MIN_SEQS, HELDOUT_MAX_SEQS = 2, 32  # ... between 2 and 32 sequences per row of the global batch
+
+
+# --------------------------------------------------------------------------------------------------
+# Held-out text
+# --------------------------------------------------------------------------------------------------
+
+
+def heldout_length(n_tokens: int, seq_len: int, global_rows: int) -> int:
+    """Tokens held out at the end of a corpus of ``n_tokens`` for evaluation."""
+    per_row = n_tokens // (HELDOUT_SHARE * global_rows)
+    per_row = min(max(per_row, HELDOUT_MIN_SEQS * seq_len), HELDOUT_MAX_SEQS * seq_len)
+    return per_row * global_rows
+
+
+def split_heldout(tokens, seq_len: int, global_rows: int) -> tuple:
+    """``(training part, held-out tail)`` of a token array or ``TokenShards`` (the training part is a view). ``UsageError`` when the
+    training part would be too small for ``global_rows`` streams of 2 x ``seq_len`` tokens."""
+    n_held = heldout_length(len(tokens), seq_len, global_rows)
+    n_train = len(tokens) - n_held
+    if n_train < global_rows * 2 * seq_len:
+        raise UsageError(f"corpus too small: {len(tokens)} tokens; holding out {n_held} for evaluation leaves "
+                         f"{max(n_train, 0)}, fewer than {global_rows} rows x 2 x seq_len = "
+                         f"{global_rows * 2 * seq_len}: "
+                         "use more text, fewer rows, a shorter --seq-len, or --eval-data FILE... (then nothing "
+                         "is held out)")
+    train = tokens.head(n_train) if hasattr(tokens, "head") else tokens[:n_train]  # TokenShards: no copy
+    return train, np.asarray(tokens[n_train:])
+
+
+def token_file(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str, rank: int = 0,
+               world: int = 1) -> np.ndarray:
+    """The files' tokens, cached under ``cache_dir/shards`` by the files' content and the tokenizer
+    model (the key the training run uses for its data)."""
+    key = hashlib.sha256(f"{corpus_digest(paths)}:{hash_file(tokenizer.model_file)['sha256']}".encode()).hexdigest()
+    path = os.path.join(cache_dir, "shards", key[:16] + ".bin")
+    if rank == 0:
+        build_token_file(paths, tokenizer, path, fingerprint=key)
+    barrier(world)
+    return build_token_file(paths, tokenizer, path, fingerprint=key)
+
+
+def check_eval_files(paths: list[str], flag: str = "--eval-data") -> None:
+    """``UsageError`` naming the flag and the first unusable file (missing, not UTF-8, no text)."""
+    try:
+        check_readable(paths)
+        check_corpus(paths)
+    except UsageError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# The evaluation
+# --------------------------------------------------------------------------------------------------
+
+
+class Evaluator:
+    """Fixed evaluation records from ``tokens``: ``n_batches`` batches of one rank's ``rows`` rows
+    (global rows ``[rank * rows, (rank + 1) * rows)`` of ``rows * world``), the record layout of
+    ``layout`` with the seed ``EVAL_SEED``."""
+
+    def __init__(self, tokens: np.ndarray, tokenizer: XLNetTokenizer, layout: DataConfig, rows: int,
+                 n_batches: int, mem_len: int, rank: int = 0, world: int = 1, source: str = "eval data") -> None:
+        if n_batches < 1:
+            raise ValueError(f"n_batches must be positive, got {n_batches}")
+        try:
+            self.batches = PretrainBatches(tokens, tokenizer, dataclasses.replace(layout, seed=EVAL_SEED),
+                                           rows=rows, rank=rank, world_size=world)
+        except UsageError as exc:
+            raise UsageError(f"{source}: {exc}") from None
+        self._start = self.batches.state_dict()
+        self.n_batches, self.mem_len, self.source = n_batches, mem_len, source
+        self.n_tokens = len(tokens)
+
+    @torch.no_grad()
+    def sums(self, model: torch.nn.Module, device: torch.device) -> tuple[float, int]:
+        """``(sum of the targets' cross-entropies, number of targets)`` over this rank's rows."""
+        self.batches.load_state_dict(self._start)
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        mems, use_mems = None, self.mem_len > 0
+        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda_devices), \
+                    torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                for _ in range(self.n_batches):
+                    batch = {k: v.to(device) for k, v in self.batches.next_batch().items()}
+                    out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"], q_rank=batch["q_rank"],
+                                k_rank=batch["k_rank"], target_pos=batch["target_pos"], mems=mems,
+                                use_mems=use_mems)
+                    labels = batch["labels"].reshape(-1)
+                    ce = torch.nn.functional.cross_entropy(out.logits.float().reshape(labels.numel(), -1), labels,
+                                                           reduction="none")
+                    loss_sum += ce.double().sum()  # padding targets (label -100) contribute 0
+                    count += (labels != -100).sum()
+                    mems = out.mems if use_mems else None
+        finally:
+            model.train(was_training)
+        return float(loss_sum), int(count)
+
+    def evaluate(self, model: torch.nn.Module, device: torch.device, world: int = 1) -> dict:
+        """``{"eval_loss", "eval_ppl", "eval_tokens"}`` over every rank's rows (a collective under
+        torchrun: every rank calls it and gets the same values)."""
+        loss_sum, count = self.sums(model, device)
+        totals = all_sum(torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=device), world)
+        return eval_row(float(totals[0]), int(totals[1]))
+
+
+def eval_row(loss_sum: float, count: int) -> dict:
+    loss = loss_sum / max(count, 1)
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": count}
+
+
+def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None, cache_dir: str, rank: int,
+                       world: int) -> Evaluator | None:
+    """The run's evaluator: on ``c.eval_data``, else on the held-out tail of the training tokens; None
+    (said once) when the run has neither (a run started before held-out evaluation existed)."""
+    if c.eval_data:
+        tokens = token_file(c.eval_data, tokenizer, cache_dir, rank, world)
+        source = f"--eval-data {' '.join(c.eval_data)}"
+    elif heldout is not None:
+        tokens, source = heldout, "the held-out tail of the training data"
+    else:
+        if rank == 0:
+            logger.warning("no evaluation: this run holds out no text (it started before held-out evaluation "
+                           "existed); pass --eval-data FILE... to evaluate")
+        return None
+    layout = DataConfig(seq_len=c.seq_len, reuse_len=c.reuse_len, num_predict=c.num_predict,
+                        perm_size=c.perm_size, bi_data=c.bi_data)
+    evaluator = Evaluator(tokens, tokenizer, layout, c.batch_size, c.eval_batches, c.mem_len, rank, world, source)
+    if rank == 0:
+        when = f"every {c.eval_every} steps and at the end" if c.eval_every else "at the end"
+        logger.info("evaluating %s on %s (%d tokens): %d batches of %d rows", when, source, len(tokens),
+                    c.eval_batches, c.batch_size * world)
+    return evaluator
+
+
+def hold_out_tail(tokens, c, rank: int, world: int) -> tuple:
+    """``split_heldout`` for a run (its sequence length and global batch), said once."""
+    train, held = split_heldout(tokens, c.seq_len, c.batch_size * world)
+    if rank == 0:
+        logger.info("holding out the last %d of %d tokens (%.1f%%) of the training data for evaluation (pass "
+                    "--eval-data FILE... to evaluate on other text and train on all of it)", len(held), len(tokens),
+                    100 * len(held) / len(tokens))
+    return train, held
+
+
+# --------------------------------------------------------------------------------------------------
+# `xlnet-fast eval`: any checkpoint, the run's evaluation or given text
+# --------------------------------------------------------------------------------------------------
+
+LAYOUT_SETTINGS = ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size", "batch_size")
+
+
+def _eval_settings(src, overrides: dict) -> dict:
+    """The record layout, rows and batches: the run's for a training checkpoint, else the 'base'
+    preset's; ``overrides`` (not None) replace them. ``world``: the run's number of ranks."""
+    from .settings import PRESETS
+
+    if src.is_checkpoint:
+        stored = src.record["settings"]
+        s = {n: stored[n] for n in LAYOUT_SETTINGS}
+        s.update(world=src.record.get("world_size") or 1, eval_batches=stored.get("eval_batches"))
+    else:
+        s = {n: PRESETS["base"][n] for n in LAYOUT_SETTINGS}
+        s.update(world=1, eval_batches=None)
+    s.update({k: v for k, v in overrides.items() if v is not None})
+    s["eval_batches"] = s["eval_batches"] or DEFAULT_EVAL_BATCHES
+    for name, flag in (("batch_size", "--batch-size"), ("eval_batches", "--batches"), ("seq_len", "--seq-len")):
+        if s[name] < 1:
+            raise UsageError(f"{flag} must be a positive integer, got {s[name]}")
+    if s["mem_len"] < 0:
+        raise UsageError(f"--mem-len must be 0 (no memory) or a positive integer, got {s['mem_len']}")
+    return s
+
+
+def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np.ndarray, str]:
+    """The text the run evaluated on: its ``--eval-data``, else the held-out tail of its data."""
+    settings, record = src.record["settings"], src.record
+    if settings.get("eval_data"):
+        check_eval_files(settings["eval_data"], "the run's --eval-data")
+        return token_file(settings["eval_data"], tokenizer, cache_dir), " ".join(settings["eval_data"])
+    if not settings.get("hold_out"):
+        raise UsageError(f"{src.path}: its run held out no text (it predates held-out evaluation): pass --data FILE...")
+    files = record["data"]
+    check_eval_files(files, "the run's --data")
+    if record.get("data_digest") not in (None, corpus_digest(files)):
+        raise UsageError(f"the run's data {' '.join(files)} changed since the run: its held-out tail cannot be "
+                         "rebuilt; pass --data FILE...")
+    tokens = token_file(files, tokenizer, cache_dir)
+    held = split_heldout(tokens, settings["seq_len"], settings["batch_size"] * (record.get("world_size") or 1))[1]
+    return held, "the held-out tail of " + " ".join(files)
+
+
+def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int | None = None,
+                       tokenizer: str | None = None, cache_dir: str | None = None, backend: str | None = None,
+                       device: torch.device | None = None, **layout: int | None) -> dict:
+    """``xlnet-fast eval``: the held-out permutation-LM loss of the model in ``model`` (a run
+    directory, a training checkpoint or a transformers directory) on ``data`` (default: the text the
+    run evaluated on), as one JSON-able dict. ``layout``: ``LAYOUT_SETTINGS`` overrides."""
+    from .artifacts import load_lm, load_tokenizer, resolve_model_dir
+    from .run_dir import default_cache_dir
+
+    src = resolve_model_dir(model, "--model")
+    s = _eval_settings(src, {**layout, "eval_batches": batches})
+    tok = load_tokenizer(src, tokenizer)
+    cache_dir = default_cache_dir(cache_dir)
+    if data:
+        data = [os.path.abspath(p) for p in data]
+        check_eval_files(data, "--data")
+        tokens, what = token_file(data, tok, cache_dir), " ".join(data)
+    elif src.is_checkpoint:
+        tokens, what = _run_eval_tokens(src, tok, cache_dir)
+    else:
+        raise UsageError(f"--model {src.path} is not a training checkpoint: pass --data FILE... to evaluate on")
+    overrides = {"mem_len": s["mem_len"], "reuse_len": s["reuse_len"]}
+    lm = load_lm(src, **overrides, **({"attn_backend": backend} if backend else {}))
+    if tok.vocab_size > lm.config.vocab_size:
+        raise UsageError(f"the tokenizer has {tok.vocab_size} pieces, the model only {lm.config.vocab_size}")
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lm.to(device)
+    layout_cfg = DataConfig(seq_len=s["seq_len"], reuse_len=s["reuse_len"], num_predict=s["num_predict"],
+                            perm_size=s["perm_size"], bi_data=bool(lm.config.bi_data))
+    layout_cfg.check(name=lambda n: "--" + n.replace("_", "-"))
+    loss_sum, count = 0.0, 0
+    for rank in range(s["world"]):  # the run's ranks' shares of the rows, one after the other
+        ev = Evaluator(tokens, tok, layout_cfg, s["batch_size"], s["eval_batches"], s["mem_len"], rank, s["world"],
+                       source=what)
+        part_sum, part_count = ev.sums(lm, device)
+        loss_sum, count = loss_sum + part_sum, count + part_count
+    return {"model": src.path, "step": src.step, "data": what, "batches": s["eval_batches"],
+            "rows": s["batch_size"] * s["world"], **eval_row(loss_sum, count)}

@@ -1,0 +1,106 @@
+"""``RUN_DIR/loss.png``: the training loss (raw and smoothed) and the eval loss against the step (bottom
+axis) and the tokens seen (top axis), the learning rate on a second y axis. Needs matplotlib (the
+``bench`` extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+
+from .errors import UsageError
+from .summary import read_metrics, smooth, smoothing_window
+
+logger = logging.getLogger(__name__)
+
+PLOT_NAME = "loss.png"
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _tokens_label(x: float, _pos=None) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:g}{suffix}"
+    return f"{x:g}"
+
+
+def _draw(fig, train: list[dict], evals: list[dict], title: str) -> None:
+    from matplotlib.ticker import FuncFormatter
+
+    ax = fig.add_subplot(1, 1, 1)
+    steps = [r["step"] for r in train]
+    losses = [r["loss"] for r in train]
+    w = smoothing_window(len(train))
+    ax.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="training loss")
+    if w > 1:
+        ax.plot(steps, smooth(losses, w), color="tab:blue", linewidth=2, label=f"training loss, mean of {w} rows")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], color="tab:red", marker="o",
+                linewidth=2, markersize=5, label="eval loss (held-out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats)")
+    ax.grid(True, alpha=0.3)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r["lr"] for r in train], color="tab:gray", linestyle="--", linewidth=1.2, label="learning rate")
+    lr_ax.set_ylabel("learning rate", color="tab:gray")
+    lr_ax.tick_params(axis="y", colors="tab:gray")
+    lr_ax.set_ylim(bottom=0)
+    per_step = _tokens_per_step(train)
+    if per_step:
+        top = ax.secondary_xaxis("top", functions=(lambda s: s * per_step, lambda t: t / per_step))
+        top.set_xlabel("tokens seen")
+        top.xaxis.set_major_formatter(FuncFormatter(_tokens_label))
+    handles = ax.get_legend_handles_labels()
+    lr_handles = lr_ax.get_legend_handles_labels()
+    ax.legend(handles[0] + lr_handles[0], handles[1] + lr_handles[1], loc="upper right", fontsize=9)
+    ax.set_title(title, fontsize=10)
+
+
+def _tokens_per_step(train: list[dict]) -> float | None:
+    for r in reversed(train):
+        if r.get("tokens") and r["step"] > 0:
+            return r["tokens"] / r["step"]
+    return None
+
+
+def _title(run_dir: str, train: list[dict], evals: list[dict]) -> str:
+    parts = [os.path.basename(os.path.abspath(run_dir)), f"step {train[-1]['step']}"]
+    if evals:
+        parts.append(f"eval loss {evals[-1]['eval_loss']:.3f} at step {evals[-1]['step']}")
+    return " | ".join(parts)
+
+
+def write_loss_plot(run_dir: str, out: str | None = None) -> str:
+    """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/loss.png``), written atomically;
+    returns the path. ``UsageError`` when matplotlib is missing or the run has no training rows."""
+    if not have_matplotlib():
+        raise UsageError("plotting needs matplotlib: pip install 'xlnet_fast[bench]'")
+    train, evals = read_metrics(run_dir)
+    if not train:
+        raise UsageError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no training rows to plot")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5.2), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    _draw(fig, train, evals, _title(run_dir, train, evals))
+    out = out or os.path.join(run_dir, PLOT_NAME)
+    tmp = f"{out}.tmp{os.getpid()}.png"
+    fig.savefig(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def plot_at_end(run_dir: str) -> str:
+    """After a run: the plot's path, or why there is none (never raises)."""
+    if not have_matplotlib():
+        return (f"no {PLOT_NAME} (matplotlib not installed: pip install 'xlnet_fast[bench]', then "
+                f"xlnet-fast plot {run_dir})")
+    try:
+        return write_loss_plot(run_dir)
+    except Exception as exc:  # a plot must never fail the run
+        logger.warning("could not draw %s: %s", os.path.join(run_dir, PLOT_NAME), exc)
+        return f"no {PLOT_NAME} ({exc})"
