@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from helpers.pretraining import free_port
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 from xlnet_fast.cli import main
@@ -19,25 +20,13 @@ from xlnet_fast.pretrain import TrainConfig, UsageError, check_checkpoint, load_
 from xlnet_fast.pretrain import sharded
 from xlnet_fast.pretrain.checkpoint import dcp_load, dcp_metadata, empty_entries, read_model_state, read_run_record
 
-from test_run_directory import write_corpus
-
 SMALL = ["--vocab-size", "120", "--seq-len", "32", "--reuse-len", "16", "--mem-len", "16", "--num-predict", "6",
          "--perm-size", "8", "--backend", "eager", "--no-progress", "--dropout", "0"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def torchrun(port, out, cache, *args):
+def torchrun(out, cache, *args):
     """``xlnet-fast pretrain`` on 2 gloo ranks (FSDP2 on the CPU)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "xlnet_fast", "pretrain", "--out", str(out), "--cache-dir", cache, *args]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          timeout=300)
@@ -89,7 +78,7 @@ def assert_same_state(a, b):
 def two_rank_run(tmp_path_factory, corpus, cache):
     """An uninterrupted 2-rank FSDP2 run, --batch-size 8, saving asynchronously at steps 2 and 4."""
     out = tmp_path_factory.mktemp("two") / "run"
-    torchrun(29541, out, cache, "--data", corpus, *SMALL, "--batch-size", "8", "--steps", "4", "--save-every", "2",
+    torchrun(out, cache, "--data", corpus, *SMALL, "--batch-size", "8", "--steps", "4", "--save-every", "2",
              "--keep", "5", "--fsdp", "--async-save")
     return out
 
@@ -144,7 +133,7 @@ def test_resume_on_one_and_on_two_ranks_continues_the_loss_curve(two_rank_run, c
     assert read_run_record(str(one / "checkpoints" / "step_0000004"))["world_size"] == 1
 
     two = branch(two_rank_run, 2, tmp_path / "two")
-    torchrun(29542, two, cache, "--resume", "--steps", "4")  # saves synchronously
+    torchrun(two, cache, "--resume", "--steps", "4")  # saves synchronously
     got = losses(two)
     assert [got[s] for s in (1, 2, 3, 4)] == [ref[s] for s in (1, 2, 3, 4)]
     # the async-written checkpoint of the uninterrupted run and the sync-written one of the resumed
@@ -159,7 +148,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(corpus, cache, tmp_path):
                          reuse_len=16, mem_len=16, num_predict=6, perm_size=8, dropout=0.0, batch_size=8, steps=3,
                          save_every=2, keep=5, progress=False, backend="eager"))
     two = branch(ref_out, 2, tmp_path / "two")
-    torchrun(29543, two, cache, "--resume", "--steps", "3", "--batch-size", "4", "--fsdp")
+    torchrun(two, cache, "--resume", "--steps", "3", "--batch-size", "4", "--fsdp")
     assert losses(two)[3] == pytest.approx(losses(ref_out)[3], rel=1e-5)
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.pretraining import WORDS, pretrain_command, train_config, write_corpus
+from helpers.pretraining import WORDS, free_port, pretrain_command, train_config
 from helpers.reference import original_local_perm
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
@@ -19,11 +19,6 @@ from xlnet_fast.pretrain.checkpoint import load_model_weights, read_model_state
 from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
 from xlnet_fast.pretrain.tokenizer import CLS_ID, SEP_ID, train_tokenizer
 from xlnet_fast.pretrain import pretrain
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +188,7 @@ def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sha
     two = _cli(tmp_path / "two", corpus, *common)
     two[two.index("--batch-size") + 1] = "2"
     two[1:3] = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                "29517" if sharding == "ddp" else "29518", "-m", "xlnet_fast"]
+                str(free_port()), "-m", "xlnet_fast"]
     if sharding == "fsdp":
         two.append("--fsdp")
     for cmd in (one, two):

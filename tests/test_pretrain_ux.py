@@ -6,7 +6,6 @@ import argparse
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from helpers.pretraining import write_corpus
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel, XLNetTokenizer, __version__
 from xlnet_fast.cli import build_parser, main
@@ -27,8 +28,6 @@ from xlnet_fast.pretrain.settings import PRESETS
 from xlnet_fast.pretrain.tokenizer import train_tokenizer
 from xlnet_fast.pretrain.checkpoint import load_model_weights
 
-WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
-         "spirit moved waters said let there be day night evening morning first second firmament").split()
 LAYOUT = ["--vocab-size", "120", "--seq-len", "32", "--reuse-len", "16", "--mem-len", "16", "--num-predict", "6",
           "--perm-size", "8", "--batch-size", "4", "--backend", "eager"]
 
@@ -40,29 +39,9 @@ def checkpoint_model(path, **config_overrides) -> XLNetLMHeadModel:
     return model.eval()
 
 
-def write_corpus(path, seed=0, docs=40):
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(docs):
-            for _ in range(30):
-                f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
-            f.write("\n")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
-
-
 @pytest.fixture(scope="module")
 def other_text(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("other") / "other.txt", seed=5, docs=8)
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
 
 
 def cfg(out, corpus, cache, **kw):

@@ -22,17 +22,6 @@ from xlnet_fast.pretrain.checkpoint import dcp_metadata, read_model_state
 from xlnet_fast.pretrain.run_dir import LOCK_NAME
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "text.txt")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """Tokenizer and token shards, shared by the tests (keyed by content)."""
-    return str(tmp_path_factory.mktemp("cache"))
-
-
 def resume_cfg(out, cache, **kw):
     """A resume that gives only what a user retyping the command would: the settings come from the run."""
     return TrainConfig(out=str(out), cache_dir=cache, resume=True, progress=False, backend="eager", **kw)

@@ -1,6 +1,7 @@
 """A small corpus and a tiny pretraining run, as a TrainConfig and as the command line that gives it."""
 
 import random
+import socket
 import sys
 
 from xlnet_fast.pretrain import TrainConfig
@@ -35,3 +36,11 @@ def pretrain_command(out, corpus: str, cache_dir, *extra: str) -> list[str]:
     sizes = [arg for name, value in TINY_RUN.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
     return [sys.executable, "-m", "xlnet_fast", "pretrain", "--data", corpus, "--out", str(out),
             "--cache-dir", str(cache_dir), *sizes, "--backend", "eager", "--no-progress", *extra]
+
+
+def free_port() -> int:
+    """A TCP port free right now on this host, for a torchrun rendezvous (fixed ports collide when two
+    test runs share a machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
