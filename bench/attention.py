@@ -1,34 +1,51 @@
-"""XLNet attention benchmark: fused Triton vs eager vs transformers' core vs SDPA-flash.
+"""XLNet attention benchmark: the fused op against transformers, FlexAttention and plain attention.
 
     python -m bench.attention [--qlens 512 1024 2048 4096 8192 16384] [--mlens 0 384] [--B 8]
                               [--H 16] [--D 64 128] [--dtypes bf16 fp16] [--modes fwd fwd_bwd]
-                              [--providers xlnet_fast eager hf sdpa_flash] [--out FILE | --record]
+                              [--providers xlnet_fast eager hf sdpa_flash ...] [--out FILE | --record]
 
-Providers, on the same random tensors: ``xlnet_fast`` (the op, Triton backend, permutation rank
-mask and segment term), ``eager`` (the op, eager backend), ``hf`` (transformers'
-``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it) and
-``sdpa_flash`` (``scaled_dot_product_attention`` with the flash backend on plain attention of the same
-B, H, L, D — the physical reference). Median time by CUDA events (``triton.testing.do_bench``) after
-warm-up; TFLOP/s counted as 4·B·H·M·K·D forward (FlashAttention's convention, ×2.5 for fwd+bwd);
-peak memory above the inputs; an out-of-memory is recorded as ``"OOM"``. Records are appended to
-``--out`` (default: the cache directory, see ``bench.runner``), or with ``--record`` to
-``bench/results/attention.json``. On a machine without CUDA it runs the eager and hf providers with
-wall-clock medians, for a smoke test: it says how long the sweep will take and refuses one estimated
-above 10 minutes (pass smaller shapes).
+Providers (``PROVIDERS``), on the same random tensors (content stream, permutation rank mask,
+segments, memory): ``xlnet_fast`` (the op, Triton backend, autotuned), ``xlnet_fast_det`` (the same
+with ``torch.use_deterministic_algorithms(True)``: dk_r by a kernel that owns each k_r tile instead of
+atomics; forward+backward only), ``eager`` (the op, eager backend), ``hf`` (transformers'
+``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it),
+``flex`` (PyTorch FlexAttention as a user writes XLNet attention with it: ``bd = (q + r_r_bias) @ k_rᵀ``
+precomputed and gathered at ``qlen + j - i`` in a ``score_mod`` with the segment term, the rank mask
+as a ``mask_mod`` block mask built once per batch, outside the timed call like HF's dense mask;
+``torch.compile``d on CUDA, eager forward only on CPU), ``sdpa_flash`` (``scaled_dot_product_attention``
+with the flash backend on plain attention of the same B, H, M, K, D — the physical reference) and
+``fa2_ref`` (``bench.fa2_reference``, the plain FlashAttention-2 Triton kernel the compile report
+counts against, at its 128x64 w8 s2 tile). Median time by CUDA events (``triton.testing.do_bench``)
+after warm-up; TFLOP/s counted as 4·B·H·M·K·D forward (FlashAttention's convention, ×2.5 for
+fwd+bwd; the relative term's work is not counted); peak memory above the inputs; an out-of-memory
+is recorded as ``"OOM"``. Records are appended to ``--out`` (default: the cache directory, see
+``bench.runner``), or with ``--record`` to ``bench/results/attention.json``. On a machine without
+CUDA it runs the eager and hf providers with wall-clock medians, for a smoke test: it says how long
+the sweep will take and refuses one estimated above 10 minutes (pass smaller shapes).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import warnings
 
 import torch
 
 from bench import cases, runner
 
 RECORDS = "attention.json"
+PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
 CPU_PROVIDERS = ("eager", "hf")
+# providers that compute XLNet attention (the others: plain attention of the same shapes)
+XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex")
 FLOPS_CONVENTION = "4*B*H*M*K*D fwd, x2.5 fwd+bwd"
+# the tile of bench.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
+FA2_REF_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+FA2_REF_INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+# torch.compile's recompile limit for the flex provider: one graph per shape, mode and dtype
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def _hf_call(leaves: dict, index: dict):
@@ -56,10 +73,9 @@ def _hf_call(leaves: dict, index: dict):
 
 
 def _sdpa_flash_call(leaves: dict):
-    """Plain attention of the same B, H, L, D by ``scaled_dot_product_attention``'s flash backend."""
-    q = leaves["q"].transpose(1, 2)
-    k = leaves["k"][:, -q.shape[2]:].transpose(1, 2)
-    v = leaves["v"][:, -q.shape[2]:].transpose(1, 2)
+    """Plain attention of the same B, H, M, K, D (all keys, memory included, no mask) by
+    ``scaled_dot_product_attention``'s flash backend."""
+    q, k, v = (leaves[n].transpose(1, 2) for n in ("q", "k", "v"))
 
     def run():
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -69,21 +85,129 @@ def _sdpa_flash_call(leaves: dict):
     return run
 
 
+_FLEX: dict = {}
+
+
+def flex_attention_fn(compiled: bool):
+    """``flex_attention``, wrapped in ``torch.compile`` when ``compiled`` (once per process, with
+    the recompile limit raised to ``FLEX_RECOMPILE_LIMIT``: a sweep compiles one graph per shape)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if "compiled" not in _FLEX:
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch 2.x
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), FLEX_RECOMPILE_LIMIT))
+        _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["compiled"]
+
+
+def _flex_call(leaves: dict, index: dict):
+    """XLNet attention with FlexAttention, content stream (row i at position i): ``bd = (q + r_r_bias)
+    @ k_rᵀ`` (B, H, M, R) precomputed and read at ``qlen + j - i`` in the ``score_mod``, with the
+    segment term ``(q + r_s_bias) . seg_embed[same or different]``; the rank mask (plus each row's
+    own key) as a ``mask_mod`` block mask, built here once per batch. Compiled on CUDA."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v, k_r = (leaves[n] for n in ("q", "k", "v", "k_r"))
+    B, M, H, D = q.shape
+    K = k.shape[1]
+    mlen, qlen, scale = K - M, M, 1.0 / math.sqrt(D)
+    q_rank, k_rank = index["q_rank"], index["k_rank"]
+
+    def mask_mod(b, h, i, j):
+        return (k_rank[b, j] < q_rank[b, i]) | (j == mlen + i)
+
+    block_mask = create_block_mask(mask_mod, B, None, M, K, device=q.device)
+    flex = flex_attention_fn(compiled=q.is_cuda)
+    if not q.is_cuda:  # torch warns that the uncompiled path materialises the scores: known, small shapes only
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+    segments = "seg_embed" in leaves
+
+    def run():
+        k_r_b = k_r.expand(B, -1, -1, -1)
+        bd = torch.einsum("bmhd,brhd->bhmr", q + leaves["r_r_bias"], k_r_b)
+        if segments:
+            q_seg, k_seg = index["q_seg"], index["k_seg"]
+            ef = torch.einsum("bmhd,shd->bhms", q + leaves["r_s_bias"], leaves["seg_embed"])
+
+        def score_mod(score, b, h, i, j):
+            extra = bd[b, h, i, qlen + j - i]
+            if segments:
+                extra = extra + torch.where(q_seg[b, i] == k_seg[b, j], ef[b, h, i, 0], ef[b, h, i, 1])
+            return score + extra * scale
+
+        out = flex((q + leaves["r_w_bias"]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                   score_mod=score_mod, block_mask=block_mask, scale=scale)
+        return out.transpose(1, 2)
+    return run
+
+
+def _fa2_ref_call(leaves: dict):
+    """``bench.fa2_reference``'s forward on the same B, H, M, K, D (plain attention)."""
+    from bench import fa2_reference
+
+    q, k, v = leaves["q"], leaves["k"], leaves["v"]
+    tiles = FA2_REF_TILES if q.is_cuda else FA2_REF_INTERPRETER_TILES
+    return lambda: fa2_reference.forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]), **tiles)[0]
+
+
 def provider_call(name: str, inputs: cases.AttentionInputs, leaves: dict):
     """A zero-argument callable returning ``name``'s attention output on ``leaves`` (the case's
-    float arguments, possibly requiring grad)."""
-    if name in ("xlnet_fast", "eager"):
-        backend = "triton" if name == "xlnet_fast" else "eager"
+    float arguments, possibly requiring grad): ``(B, M, H, D)``, ``(M, B, H, D)`` for ``hf``, ``(B, H,
+    M, D)`` for ``sdpa_flash``."""
+    if name in ("xlnet_fast", "xlnet_fast_det", "eager"):
+        backend = "eager" if name == "eager" else "triton"
         return lambda: inputs.call(leaves, backend=backend)
     if name == "hf":
         return _hf_call(leaves, inputs.index)
+    if name == "flex":
+        return _flex_call(leaves, inputs.index)
     if name == "sdpa_flash":
         return _sdpa_flash_call(leaves)
+    if name == "fa2_ref":
+        return _fa2_ref_call(leaves)
     raise ValueError(f"unknown provider {name!r}")
+
+
+def provider_output(name: str, inputs: cases.AttentionInputs, leaves: dict | None = None) -> torch.Tensor:
+    """``name``'s forward output on the case's floats (or ``leaves``) as ``(B, M, H, D)``."""
+    with torch.no_grad():
+        out = provider_call(name, inputs, dict(inputs.floats if leaves is None else leaves))()
+    if name == "hf":
+        return out.transpose(0, 1)
+    return out.transpose(1, 2) if name == "sdpa_flash" else out
+
+
+def _fa2_ref_fwd_bwd(inputs: cases.AttentionInputs):
+    from bench import fa2_reference
+
+    q, k, v = (inputs.floats[n] for n in ("q", "k", "v"))
+    tiles = FA2_REF_TILES if q.is_cuda else FA2_REF_INTERPRETER_TILES
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dout = cases.random_like(q, seed=1)
+
+    def step():
+        out, lse = fa2_reference.forward(q, k, v, scale, **tiles)
+        return fa2_reference.backward(dout, q, k, v, out, lse, scale, **tiles)
+    return step
+
+
+def _deterministic(run):
+    """``run`` under ``torch.use_deterministic_algorithms(True)`` (warn only), restored after."""
+    def step():
+        with runner.deterministic_algorithms():
+            return run()
+    return step
 
 
 def provider_fn(name: str, inputs: cases.AttentionInputs, mode: str):
     """A zero-argument callable running one forward (and backward) of ``name``."""
+    if name == "fa2_ref" and mode == "fwd_bwd":  # no autograd: its own backward kernels
+        return _fa2_ref_fwd_bwd(inputs)
     leaves = {k: v.detach().requires_grad_(mode == "fwd_bwd") for k, v in inputs.floats.items()}
     run = provider_call(name, inputs, leaves)
     if mode == "fwd":
@@ -93,10 +217,10 @@ def provider_fn(name: str, inputs: cases.AttentionInputs, mode: str):
         return step
     params = list(leaves.values())
 
-    def step():
+    def fwd_bwd():
         out = run()
         return torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
-    return step
+    return _deterministic(fwd_bwd) if name == "xlnet_fast_det" else fwd_bwd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=sorted(cases.DTYPES))
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd_bwd"], choices=["fwd", "fwd_bwd"])
     p.add_argument("--providers", nargs="+", default=["xlnet_fast", "eager", "hf", "sdpa_flash"],
-                   choices=["xlnet_fast", "eager", "hf", "sdpa_flash"])
+                   choices=list(PROVIDERS))
     p.add_argument("--tokens", type=int, default=None, help="keep B*qlen at this many tokens")
     runner.add_output_args(p, RECORDS, no_record=True)
     return p
@@ -125,10 +249,16 @@ def sweep_cases(args) -> list[tuple[str, cases.AttentionCase]]:
     return out
 
 
+def runs_in_mode(provider: str, mode: str) -> bool:
+    """Whether ``provider`` is measured in ``mode``: ``xlnet_fast_det`` differs from ``xlnet_fast``
+    only in its backward."""
+    return not (provider == "xlnet_fast_det" and mode == "fwd")
+
+
 def _measurements(sweep: list, modes: list, providers: list) -> list:
-    """``(dtype name, case, mode, provider)`` in order; plain attention only at mlen 0 (no memory)."""
+    """``(dtype name, case, mode, provider)`` in order."""
     return [(name, case, mode, prov) for name, case in sweep for mode in modes for prov in providers
-            if not (prov == "sdpa_flash" and case.mlen)]
+            if runs_in_mode(prov, mode)]
 
 
 def _cpu_plan(plan: list) -> int | None:

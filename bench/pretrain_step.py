@@ -78,6 +78,33 @@ def time_provider(step, device: str, repeats: int) -> tuple:
         return runner.OOM, None
 
 
+def hf_model_and_batch(case: cases.ModelCase, device: str):
+    """transformers' ``XLNetLMHeadModel`` for ``case`` (seed 0, dropout 0.1, training mode) and one
+    pretraining batch; both providers start from these weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(**case.config(dropout=0.1, reuse_len=case.seq // 2))
+    hf = transformers.XLNetLMHeadModel(config).to(device).train()
+    return hf, cases.pretraining_batch(case, device)
+
+
+def measure_provider(provider: str, case: cases.ModelCase, hf, batch, device: str, repeats: int) -> dict:
+    """One ``pretrain_step`` record (without the environment) of ``provider`` on ``hf``'s weights."""
+    model = xlnet_fast.from_hf(hf, backend="auto").train() if provider == "xlnet_fast" else hf
+    try:
+        ms, peak = time_provider(step_fn(provider, model, batch, device), device, repeats)
+    finally:
+        del model
+    dims = case.dims
+    tps = case.B * case.seq / (ms / 1e3) if ms != runner.OOM else None
+    return {"op": "pretrain_step", "provider": provider, "mode": "fwd_bwd",
+            "dtype": "bf16" if device == "cuda" else "fp32", "config": case.size, "n_layer": dims["n_layer"],
+            "B": case.B, "H": dims["n_head"], "L": case.seq, "mlen": case.mlen,
+            "D": dims["d_model"] // dims["n_head"], "num_predict": case.predict, "ms": ms, "tflops": None,
+            "peak_mem_mb": peak, "tokens_per_s": tps}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     size = SIZE_ALIASES.get(args.config, args.config)
@@ -93,24 +120,12 @@ def main(argv=None) -> int:
         if seconds > runner.CPU_LIMIT_S:
             return runner.refuse(f"bench.pretrain_step: this would take about {runner.duration(seconds)} on this "
                                  "CPU; try --config tiny --B 2 --seq 128 --mem 64 --predict 20")
-    import transformers
-
-    cfg = case.config(dropout=0.1, reuse_len=args.seq // 2)
-    torch.manual_seed(0)
-    hf = transformers.XLNetLMHeadModel(transformers.XLNetConfig(**cfg)).to(device).train()
-    batch = cases.pretraining_batch(case, device)
+    hf, batch = hf_model_and_batch(case, device)
     records = []
     for provider in args.providers:
-        model = xlnet_fast.from_hf(hf, backend="auto").train() if provider == "xlnet_fast" else hf
-        ms, peak = time_provider(step_fn(provider, model, batch, device), device, args.repeats)
-        tps = args.B * args.seq / (ms / 1e3) if ms != runner.OOM else None
-        if model is not hf:
-            del model
-        records.append({**runner.environment(), "op": "pretrain_step",
-                        "provider": provider, "mode": "fwd_bwd", "dtype": "bf16" if device == "cuda" else "fp32",
-                        "config": size, "B": args.B, "H": cfg["n_head"], "L": args.seq, "mlen": args.mem,
-                        "D": cfg["d_model"] // cfg["n_head"], "num_predict": args.predict, "ms": ms, "tflops": None,
-                        "peak_mem_mb": peak, "tokens_per_s": tps})
+        rec = {**runner.environment(), **measure_provider(provider, case, hf, batch, device, args.repeats)}
+        records.append(rec)
+        ms, tps, peak = rec["ms"], rec["tokens_per_s"], rec["peak_mem_mb"]
         print(f"{size} B={args.B} seq={args.seq} mem={args.mem} {provider:11} "
               f"{ms if ms == runner.OOM else f'{ms:9.1f} ms'}  {tps and f'{tps:,.0f} tokens/s'}  peak {peak} MB")
     path = runner.output_path(args, RECORDS)

@@ -10,6 +10,7 @@ command never modifies the repository.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -158,14 +159,14 @@ def wall_median_ms(step: Callable, device: str, warmup: int = 1, repeats: int = 
     return statistics.median(samples)
 
 
-def median_ms(step: Callable, device: str) -> float:
+def median_ms(step: Callable, device: str, cpu_repeats: int = CPU_REPEATS) -> float:
     """Median milliseconds of ``step``: CUDA events (``triton.testing.do_bench``, 25 ms warm-up,
-    100 ms of repeats) on CUDA, else the wall clock over ``CPU_REPEATS`` calls after one warm-up."""
+    100 ms of repeats) on CUDA, else the wall clock over ``cpu_repeats`` calls after one warm-up."""
     if device == "cuda":
         import triton
 
         return float(triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
-    return wall_median_ms(step, device, warmup=1, repeats=CPU_REPEATS)
+    return wall_median_ms(step, device, warmup=1, repeats=cpu_repeats)
 
 
 class PeakMemory:
@@ -191,16 +192,30 @@ class PeakMemory:
         return False
 
 
-def measure(make_step: Callable[[], Callable], device: str) -> tuple:
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True):
+    """``torch.use_deterministic_algorithms(enabled, warn_only=True)`` inside, the previous setting
+    after (the op's Triton backward computes dk_r without atomics under it)."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
+def measure(make_step: Callable[[], Callable], device: str, cpu_repeats: int = CPU_REPEATS) -> tuple:
     """``(median ms, peak MiB above the inputs)`` of the step ``make_step()`` returns (peak None off
     CUDA), or ``("OOM", None)`` if building or running it runs out of memory."""
     try:
         step = make_step()
         peak = PeakMemory(device)
         if device == "cuda":
+            step()  # compiling and autotuning (with its own buffers) stay out of the peak
             with peak:
                 step()
-        return median_ms(step, device), peak.above_start_mb
+        return median_ms(step, device, cpu_repeats), peak.above_start_mb
     except torch.OutOfMemoryError:
         return OOM, None
     finally:

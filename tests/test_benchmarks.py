@@ -1,7 +1,7 @@
 """CPU benchmarks (pytest-benchmark) of the eager op and the model forward; CI passes
 --benchmark-disable (pyproject addopts), so each runs once as a test. Measure with
 ``python -m pytest tests/test_benchmarks.py --benchmark-enable``. Also checks the bench scripts: the
-attention benchmark's providers compute the same attention, the shared case builders
+attention benchmark's providers (transformers', FlexAttention's) compute the same attention, the shared case builders
 (``bench.cases``) draw the inputs the scripts' own builders drew, and a bench command run without
 ``--record`` writes nothing inside the repository."""
 
@@ -24,6 +24,21 @@ def test_bench_providers_agree():
     out = {n: attention.provider_call(n, inputs, dict(inputs.floats))() for n in ("eager", "hf")}
     hf = out["hf"].transpose(0, 1)  # HF's (len, B, H, D)
     torch.testing.assert_close(out["eager"], hf, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attention.provider_output("hf", inputs), out["eager"])  # (B, M, H, D) like the op
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(segments=False), dict(ranks="pretraining", targets=6)])
+def test_flex_provider_computes_xlnet_attention(extra):
+    """bench.attention's ``flex`` provider (FlexAttention as a user writes XLNet attention: bd
+    gathered in a score_mod with the segment term, ranks and each row's own key as a block mask) gives
+    the op's output. Forward only: torch has no FlexAttention backward on CPU (it raises), and the
+    compiled path needs a GPU; the campaign measures both there. With pretraining ranks the targets'
+    own keys are visible only through the mask_mod's own-key clause."""
+    case = cases.AttentionCase(B=2, H=2, qlen=24, mlen=8, D=16, dtype=torch.float32, seed=3, **extra)
+    inputs = cases.attention_inputs(case)
+    flex = attention.provider_output("flex", inputs)
+    assert flex.shape == (2, 24, 2, 16)
+    torch.testing.assert_close(flex, attention.provider_output("eager", inputs), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("L", [128, 512])

@@ -1,0 +1,76 @@
+"""Pin the op's autotuned Triton kernels to some of their configs (named like ``128x64w8s2``:
+BLOCK_M x BLOCK_N, warps, stages; the configs are ``kernels/rel_attention.CONFIGS``).
+
+``pinned(names)`` is a context manager: inside it the autotuners only know those configs (one
+config: no tuning at all), their tuning caches are emptied, and both are restored after. The
+campaign checks each config's numbers with it. As a pytest plugin (``-p bench.pinned_configs``
+with ``$BENCH_PINNED_CONFIGS=64x64w4s1``) it pins the kernels for a whole test run on a GPU, so that
+the suite compiles one binary per kernel variant instead of tuning every config at every test shape
+(nothing happens without the variable, nor without CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+ENV = "BENCH_PINNED_CONFIGS"
+TUNED_KERNELS = ("fwd_kernel_tuned", "bwd_kv_kernel_tuned", "bwd_q_kernel_tuned")
+
+
+def config_name(config) -> str:
+    """``128x64w8s2`` for a ``triton.Config``."""
+    kw = config.kwargs
+    return f"{kw.get('BLOCK_M')}x{kw.get('BLOCK_N')}w{config.num_warps}s{config.num_stages}"
+
+
+def tuned_kernels() -> dict:
+    """The op's autotuned kernels by name (``triton.runtime.Autotuner`` objects)."""
+    from bench.source_tree import ensure_kernels_importable
+
+    ensure_kernels_importable()
+    from xlnet_fast.kernels import rel_attention
+
+    return {name: getattr(rel_attention, name) for name in TUNED_KERNELS}
+
+
+def all_config_names() -> list:
+    return [config_name(c) for c in tuned_kernels()["fwd_kernel_tuned"].configs]
+
+
+def _pin(names) -> dict:
+    """Restrict every tuned kernel to ``names``; returns what to restore."""
+    names, kernels = list(names), tuned_kernels()
+    chosen = {name: [c for c in tuner.configs if config_name(c) in names] for name, tuner in kernels.items()}
+    for name, tuner in kernels.items():
+        if not names or len(chosen[name]) != len(set(names)):
+            raise ValueError(f"configs must be among {[config_name(c) for c in tuner.configs]}, got {names}")
+    saved = {}
+    for name, tuner in kernels.items():
+        saved[name] = (tuner.configs, dict(tuner.cache))
+        tuner.configs = chosen[name]
+        tuner.cache.clear()
+    return saved
+
+
+@contextlib.contextmanager
+def pinned(names):
+    """The tuned kernels restricted to the configs ``names`` inside, restored after."""
+    saved = _pin(names)
+    try:
+        yield
+    finally:
+        for name, tuner in tuned_kernels().items():
+            tuner.configs, cache = saved[name]
+            tuner.cache.clear()
+            tuner.cache.update(cache)
+
+
+def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
+    names = os.environ.get(ENV)
+    if not names:
+        return
+    import torch
+
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        _pin(names.split(","))

@@ -1,0 +1,377 @@
+"""bench.campaign, the GPU campaign in one command. Its orchestration runs here with --cpu-dry-run
+(tiny shapes, the kernels in Triton's interpreter, eager providers): the files it writes, the record
+schema, a failing step or item recorded while the campaign goes on, a crashed step, the time-box,
+the refusals; and the pieces that only run on a GPU, fed with what a GPU gives (pytest's output,
+autotuner caches, GPU-like records for the summary and the README tables)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import campaign, campaign_report, campaign_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON_FIELDS = {"run", "step", "op", "status", "t", "device"}
+STATUSES = {"ok", "error", "skipped", "cut", "oom"}
+ALL_FILES = {"campaign.jsonl", "campaign.log", "summary.md", "attention.png", "pretrain.png"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_campaign(tmp_path, *args):
+    """``python -m bench.campaign --cpu-dry-run --out tmp/out ARGS``: the process, the folder, its records."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "bench.campaign", "--cpu-dry-run", "--out", str(out), *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    path = out / campaign.RECORDS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return proc, out, records
+
+
+def assert_schema(records):
+    assert records
+    run_ids = {r["run"] for r in records}
+    assert len(run_ids) == 1
+    times = [r["t"] for r in records]
+    assert times == sorted(times)
+    for r in records:
+        assert COMMON_FIELDS <= set(r), r
+        assert r["status"] in STATUSES, r
+        if r["status"] == "error":
+            assert r["error"], r
+        if r["status"] in ("skipped", "cut"):
+            assert r["reason"], r
+
+
+def by(records, **match):
+    return [r for r in records if all(r.get(k) == v for k, v in match.items())]
+
+
+def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
+    proc, out, records = run_campaign(tmp_path, "--budget-min", "3", "--inject-failure", "env",
+                                      "--inject-failure", "xlnet_attn:hf", "--sweep-D", "8")
+    assert proc.returncode == 1, proc.stderr[-3000:]  # errors were recorded
+    files = sorted(p.name for p in out.iterdir())
+    assert set(files) == ALL_FILES and len(files) <= campaign.MAX_FILES  # no temporary file left
+    assert_schema(records)
+    steps = by(records, op="step")
+    assert [s["step"] for s in steps] == ["env", "correctness", "sweep", "pretrain", "plots"]
+    assert [s["status"] for s in steps] == ["error", "ok", "error", "ok", "ok"]
+    # the failing step: its error, and the steps after it ran
+    [env_error] = by(records, step="env", op="env")
+    assert env_error["status"] == "error" and "injected failure (env)" in env_error["error"]
+    # correctness: the test suite in a subprocess, the float64 check
+    [tests] = by(records, op="pytest")
+    assert tests["status"] == "ok" and tests["counts"]["passed"] == 1 and tests["returncode"] == 0
+    [check] = by(records, op="xlnet_attn_check", status="ok")
+    assert check["within_tolerance"] and check["deterministic"] and 0 < check["rel_err_out"] < 1e-2
+    [each_config] = by(records, op="xlnet_attn_check", status="skipped")  # no autotuner in the interpreter
+    assert each_config["config"] == "each" and "fixed tiles" in each_config["reason"]
+    # the sweep: every provider on the same shape; the failing item recorded, the others measured
+    [agree] = by(records, op="provider_agreement")
+    assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "hf", "flex"}
+    assert max(agree["rel_err_vs_eager_fp32"].values()) < 1e-5
+    timed = by(records, op="xlnet_attn", status="ok")
+    assert {(r["provider"], r["mode"]) for r in timed if not r.get("repeat")} == {
+        ("xlnet_fast", "fwd"), ("xlnet_fast", "fwd_bwd"), ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
+        ("eager", "fwd_bwd"), ("flex", "fwd"), ("fa2_ref", "fwd"), ("fa2_ref", "fwd_bwd")}
+    assert all(r["ms"] > 0 and r["tflops"] > 0 and r["D"] == 8 for r in timed)  # --sweep-D 8
+    assert len(by(records, op="xlnet_attn", provider="xlnet_fast", repeat=True)) == 1
+    hf_errors = by(records, op="xlnet_attn", provider="hf")
+    assert [r["status"] for r in hf_errors] == ["error", "error"]
+    skipped = by(records, op="xlnet_attn", status="skipped")
+    assert {(r["provider"], r["mode"]) for r in skipped} == {("sdpa_flash", "fwd"), ("sdpa_flash", "fwd_bwd"),
+                                                             ("flex", "fwd_bwd")}
+    assert all(r["reason"].startswith(campaign_steps.NEEDS_CUDA) for r in skipped)
+    # the pretraining step and the plots
+    steps_measured = by(records, op="pretrain_step", status="ok")
+    assert sorted(r["provider"] for r in steps_measured) == ["hf", "xlnet_fast"]
+    assert all(r["tokens_per_s"] > 0 for r in steps_measured)
+    for name in ("attention.png", "pretrain.png"):
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC
+    # tracebacks in the log; the summary printed last is the one written
+    log = (out / "campaign.log").read_text()
+    assert "RuntimeError: injected failure (xlnet_attn:hf)" in log and "Traceback" in log
+    summary = (out / "summary.md").read_text()
+    assert proc.stdout.strip().endswith(summary.strip())
+    assert "injected failure (xlnet_attn:hf)" in summary and "needs CUDA (the flash backend)" in summary
+
+
+def test_a_budget_too_small_cuts_every_step_and_still_writes_the_summary(tmp_path):
+    proc, out, records = run_campaign(tmp_path, "--budget-min", "0.01", "--steps", "env", "sweep", "plots")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_schema(records)
+    steps = by(records, op="step")
+    assert [(s["step"], s["status"]) for s in steps] == [("env", "cut"), ("sweep", "cut"), ("plots", "ok")]
+    assert by(records, op="plot", status="skipped")  # nothing to plot
+    assert sorted(p.name for p in out.iterdir()) == ["campaign.jsonl", "campaign.log", "summary.md"]
+    assert "cut: step env not started" in proc.stderr
+    assert "not started: the budget was used up" in (out / "summary.md").read_text()
+
+
+def test_a_step_whose_process_dies_is_recorded(tmp_path):
+    proc, out, records = run_campaign(tmp_path, "--steps", "pretrain", "plots", "--inject-failure", "crash:pretrain")
+    assert proc.returncode == 1
+    assert_schema(records)
+    [crash] = by(records, op="step_process")
+    assert crash["status"] == "error" and "status 70" in crash["error"]
+    assert [s["status"] for s in by(records, op="step")] == ["error", "ok"]
+    assert "status 70" in (out / "summary.md").read_text()
+
+
+def test_items_past_the_deadline_are_cut_and_named(capsys):
+    r = campaign_steps.Reporter(deadline=time.time() - 1, device="cpu")
+    assert list(r.each([1, 2, 3], lambda x: f"item{x}", "xlnet_attn")) == []
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(campaign_steps.RECORD_PREFIX)]
+    [cut] = [json.loads(line[len(campaign_steps.RECORD_PREFIX):]) for line in lines]
+    assert cut["status"] == "cut" and cut["not_run"] == ["item1", "item2", "item3"]
+    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cpu")
+    assert list(r.each([1, 2], str, "x")) == [1, 2]
+
+
+def test_an_item_that_runs_out_of_memory_is_an_oom_record(capsys):
+    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cpu")
+
+    def too_big():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+    [rec] = r.attempt("pretrain_step", too_big, provider="hf")
+    assert rec["status"] == "oom" and rec["provider"] == "hf"
+    [ok] = r.attempt("x", lambda: {"ms": 1.0, "status": "ok"}, provider="p")
+    assert ok["status"] == "ok" and ok["ms"] == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_refuses_without_a_gpu_unless_dry_run(tmp_path, capsys):
+    assert campaign.main(["--out", str(tmp_path / "o"), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err and "--cpu-dry-run" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_refuses_a_folder_holding_another_runs_files(tmp_path, capsys):
+    (tmp_path / "campaign.jsonl").write_text("{}\n")
+    assert campaign.main(["--out", str(tmp_path), "--cpu-dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "campaign.jsonl" in err
+    assert (tmp_path / "campaign.jsonl").read_text() == "{}\n"
+    assert campaign.main(["--cpu-dry-run"]) == 2 and "--out" in capsys.readouterr().err
+    assert campaign.main(["--out", str(tmp_path / "x"), "--budget-min", "0", "--cpu-dry-run"]) == 2
+
+
+# --------------------------------------------------------------------------------------------------
+# What only a GPU produces, fed in
+# --------------------------------------------------------------------------------------------------
+
+
+def test_pytest_output_is_counted_from_the_closing_line_or_the_test_lines():
+    closing = ["tests/test_a.py::test_x PASSED", "FAILED tests/test_a.py::test_y - AssertionError: no",
+               "ERROR tests/test_b.py::test_z - RuntimeError",
+               "=== 1 failed, 10 passed, 2 skipped, 1 error in 3.21s ==="]
+    got = campaign_steps.parse_pytest(closing)
+    assert got["counts"] == {"failed": 1, "passed": 10, "skipped": 2, "errors": 1}
+    assert got["failed_tests"] == ["tests/test_a.py::test_y", "tests/test_b.py::test_z"]
+    stopped = ["[gw0] [ 10%] PASSED tests/test_a.py::test_x", "[gw1] [ 20%] FAILED tests/test_a.py::test_y",
+               "[gw0] [ 30%] SKIPPED tests/test_a.py::test_z", "[gw1] [ 40%] PASSED tests/test_a.py::test_w"]
+    got = campaign_steps.parse_pytest(stopped)
+    assert got["closing_line"] is None and got["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+
+
+class _Config:
+    def __init__(self, bm, bn, w, s):
+        self.kwargs, self.num_warps, self.num_stages = {"BLOCK_M": bm, "BLOCK_N": bn}, w, s
+
+
+class _Tuner:
+    keys = ["M", "N_KEYS", "HEAD_DIM"]
+
+    def __init__(self):
+        self.cache = {}
+
+
+def test_autotune_records_the_winner_and_each_configs_time(capsys, monkeypatch):
+    fwd = _Tuner()
+    monkeypatch.setattr(campaign_steps.AutotuneWatch, "_kernels", staticmethod(lambda: {"fwd_kernel_tuned": fwd}))
+    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cuda")
+    watch = campaign_steps.AutotuneWatch(r)
+    fast, slow = _Config(128, 64, 8, 2), _Config(64, 64, 4, 1)
+    fwd.cache[(512, 896, 64, "torch.bfloat16", "torch.int32")] = fast
+    fwd.configs_timings = {fast: [0.5, 0.4, 0.6], slow: [0.9, 0.8, 1.0]}
+    watch.look("xlnet_fast fwd L=512")
+    watch.look("again: nothing new")
+    fwd.cache[(4096, 4480, 64, "torch.bfloat16")] = slow  # tuned without timings seen (e.g. two keys at once)
+    fwd.cache[(2048, 2432, 64, "torch.bfloat16")] = slow
+    fwd.configs_timings = {slow: [2.0, 1.9, 2.1]}
+    watch.look("two keys")
+    recs = [json.loads(line[len(campaign_steps.RECORD_PREFIX):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith(campaign_steps.RECORD_PREFIX)]
+    assert [(x["context"], x["best"]) for x in recs] == [("xlnet_fast fwd L=512", "128x64w8s2"),
+                                                        ("two keys", "64x64w4s1"), ("two keys", "64x64w4s1")]
+    assert recs[0]["key"] == {"M": 512, "N_KEYS": 896, "HEAD_DIM": 64, "dtypes": ["torch.bfloat16", "torch.int32"]}
+    assert recs[0]["timings_ms"] == {"128x64w8s2": 0.5, "64x64w4s1": 0.9}
+    assert recs[1]["timings_ms"] is None and recs[2]["timings_ms"] is None
+
+
+def _gpu_like_records():
+    base = {"run": "r", "t": 1.0, "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+            "date": "2026-12-01"}
+
+    def attn(provider, mode, ms, status="ok"):
+        return {**base, "step": "sweep", "op": "xlnet_attn", "status": status, "provider": provider, "mode": mode,
+                "dtype": "bf16", "B": 32, "H": 16, "L": 512, "mlen": 384, "D": 64, "ms": ms,
+                "tflops": None if ms == "OOM" else 1.0 / ms, "peak_mem_mb": 100.0}
+    return [
+        {**base, "step": "env", "op": "environment", "status": "ok", "sm_count": 132, "memory_gib": 79.2,
+         "transformers": "5.17.0", "cuda": "13.0", "python": "3.12.3", "mode": "full"},
+        {**base, "step": "env", "op": "ceiling_matmul", "status": "ok", "n": 8192, "dtype": "bf16", "ms": 1.4,
+         "tflops": 785.0},
+        attn("xlnet_fast", "fwd_bwd", 2.0), attn("sdpa_flash", "fwd_bwd", 1.5), attn("hf", "fwd_bwd", 30.0),
+        attn("flex", "fwd_bwd", 6.0), attn("xlnet_fast", "fwd", 1.0), attn("sdpa_flash", "fwd", 0.4),
+        attn("hf", "fwd", 8.0), attn("flex", "fwd", "OOM", status="oom"),
+        {**base, "step": "pretrain", "op": "pretrain_step", "status": "ok", "provider": "xlnet_fast", "case": "base",
+         "config": "base", "n_layer": 12, "B": 8, "L": 512, "mlen": 384, "num_predict": 85, "ms": 100.0,
+         "tokens_per_s": 40960.0, "peak_mem_mb": 10240.0},
+        {**base, "step": "pretrain", "op": "pretrain_step", "status": "ok", "provider": "hf", "case": "base",
+         "config": "base", "n_layer": 12, "B": 8, "L": 512, "mlen": 384, "num_predict": 85, "ms": 300.0,
+         "tokens_per_s": 13653.0, "peak_mem_mb": 20480.0},
+    ]
+
+
+def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _gpu_like_records()) + '{"torn')
+    out = tmp_path / "report"
+    assert campaign.main(["--report", str(path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "- fwd+bwd ≤ 2x SDPA-flash, D=64 L=512 mlen=384: 1.33x — met" in text
+    assert "- ≥ 10x transformers' attention core, fwd_bwd, D=64 L=512 mlen=384: 15.0x — met" in text
+    assert "- ≥ 10x transformers' attention core, fwd, D=64 L=512 mlen=384: 8.0x — missed by 1.25x" in text
+    assert "a.jsonl:" in text and "not a JSON record" in text  # the torn line is named, not silently dropped
+    readme = text[text.index("## README tables"):]
+    assert "Measured on NVIDIA H100 80GB HBM3 (torch 2.11.0, triton 3.6.0, 2026-12-01" in readme
+    assert "| 512 | 384 | 64 | fwd | 1 | 0.4 | OOM | 8 | 2.5 | 8 |" in readme
+    assert "| 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
+    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in readme
+    assert sorted(p.name for p in out.iterdir()) == ["attention.png", "pretrain.png", "summary.md"]
+    assert campaign.main(["--report", str(path), "--out", str(out)]) == 2  # never over another report
+    assert campaign.main(["--report", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_an_uninstalled_source_tree_imports_its_kernels(tmp_path):
+    """As on the GPU machine: a copy of the repository, not pip-installed (python -S: no editable
+    finder from a .pth file), finds xlnet_fast.kernels in kernels/ through bench.source_tree."""
+    import shutil
+    import site
+
+    shutil.copytree(ROOT / "xlnet_fast", tmp_path / "xlnet_fast",
+                    ignore=shutil.ignore_patterns("kernels", "__pycache__"))
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "bench").mkdir()
+    for name in ("__init__.py", "source_tree.py"):
+        shutil.copy(ROOT / "bench" / name, tmp_path / "bench" / name)
+    code = ("import importlib.util, bench.source_tree as s\n"
+            "assert importlib.util.find_spec('xlnet_fast.kernels') is None\n"
+            "print(s.ensure_kernels_importable())\n"
+            "import xlnet_fast.kernels as k\n"
+            "print(k.__file__, k.available()[0])\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *site.getsitepackages()]), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    note, where = proc.stdout.splitlines()
+    assert note == f"xlnet_fast.kernels is not installed: importing it from {tmp_path / 'kernels'}"
+    assert where == f"{tmp_path / 'kernels' / '__init__.py'} True"
+
+
+def test_kernels_import_hook_finds_the_source_folder():
+    from bench import source_tree
+
+    spec = source_tree._KernelsFinder().find_spec("xlnet_fast.kernels")
+    assert Path(spec.origin) == ROOT / "kernels" / "__init__.py"
+    assert spec.submodule_search_locations == [str(ROOT / "kernels")]
+    assert source_tree._KernelsFinder().find_spec("xlnet_fast.other") is None
+    assert source_tree.ensure_kernels_importable() is None  # importable here already: nothing added
+
+
+def test_pinned_configs_restrict_the_autotuners_and_restore_them():
+    from bench import pinned_configs
+
+    kernels = pinned_configs.tuned_kernels()
+    names = pinned_configs.all_config_names()
+    assert len(names) == len(set(names)) > 1 and "64x64w4s1" in names
+    before = {n: list(k.configs) for n, k in kernels.items()}
+    kernels["fwd_kernel_tuned"].cache[("a key",)] = kernels["fwd_kernel_tuned"].configs[0]
+    try:
+        with pinned_configs.pinned(["64x64w4s1"]):
+            for k in kernels.values():
+                assert [pinned_configs.config_name(c) for c in k.configs] == ["64x64w4s1"] and not k.cache
+        assert {n: list(k.configs) for n, k in kernels.items()} == before
+        assert ("a key",) in kernels["fwd_kernel_tuned"].cache
+        with pytest.raises(ValueError, match="configs must be among"):
+            with pinned_configs.pinned(["64x64w4s1", "1x1w1s1"]):
+                pass
+        assert {n: list(k.configs) for n, k in kernels.items()} == before  # nothing half-pinned
+    finally:
+        kernels["fwd_kernel_tuned"].cache.pop(("a key",), None)
+
+
+def test_a_step_past_its_deadline_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """The time-box's last resort: a step still running a grace period after its share is killed,
+    and so is the process group it announced (as the correctness step announces the test suite's),
+    and a cut is recorded."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import pathlib, subprocess, sys, time\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+              f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n"
+              "print('@group', p.pid, flush=True)\n"
+              "print('@record {\"op\": \"x\", \"status\": \"ok\"}', flush=True)\n"
+              "time.sleep(120)\n")
+    monkeypatch.setattr(campaign.Campaign, "_child_command",
+                        lambda self, step, deadline: [sys.executable, "-c", script])
+    c = campaign.Campaign(tmp_path / "out", budget_s=60, mode="dry", steps=["sweep"], failures=[])
+    t0 = time.time()
+    c.run_step("sweep", share=campaign.MIN_STEP_S)
+    assert time.time() - t0 < campaign.MIN_STEP_S + campaign.GRACE_MIN_S + 10
+    assert [(r["op"], r["status"]) for r in c.records] == [("x", "ok"), ("step_killed", "cut"), ("step", "cut")]
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    deadline = time.time() + 10
+    while stat.exists() and stat.read_text().split()[2] != "Z" and time.time() < deadline:
+        time.sleep(0.1)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # killed (a zombie until reaped)
+
+
+def test_the_gpu_plans_measure_what_issue_13_asks():
+    full = campaign_steps.PLANS["full"]
+    assert {"xlnet_fast", "xlnet_fast_det", "hf", "flex", "sdpa_flash"} <= set(full.providers)
+    assert (full.sweep_dtype, full.sweep_modes, full.sweep_D) == ("bf16", ("fwd", "fwd_bwd"), (64, 128))
+    assert [(c.qlen, c.mlen, c.B, c.D) for c in full.sweep_cases()[:4]] == [
+        (512, 384, 32, 64), (2048, 384, 8, 64), (4096, 384, 4, 64), (16384, 384, 1, 64)]
+    items = campaign_steps.sweep_items(full)
+    assert items[0][0] == "agree" and [i[1].D for i in items] == sorted(i[1].D for i in items)  # D=64 first
+    assert ("time", full.sweep_cases()[0], "fwd", "xlnet_fast_det") not in items  # same forward as xlnet_fast
+    checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
+    for qlen in (512, 4096):
+        for two_stream in (False, True):
+            assert (qlen, 384, two_stream, torch.bfloat16) in checked
+    assert (512, 384, False, torch.float16) in checked and (512, 384, True, torch.float16) in checked
+    assert any(det for *_, det in full.checks) and full.config_check is not None
+    assert [(m.size, m.seq, m.mlen, m.predict) for _, m in full.models] == [("base", 512, 384, 85),
+                                                                           ("large", 512, 384, 85)]
+    assert "tests/test_hf_patch.py::test_convergence_bf16_on_gpu_is_close" in full.pytest_targets
+    assert full.pytest_config in campaign_steps.pinned_configs.all_config_names()
+    quick = campaign_steps.PLANS["quick"]
+    assert len(quick.sweep_cases()) == 1 and len(quick.models) == 1
+
+
+def test_a_record_a_section_cannot_read_does_not_cost_the_summary():
+    records = _gpu_like_records()
+    records.append({"run": "r", "step": "sweep", "t": 2.0, "device": "x", "op": "xlnet_attn", "status": "ok",
+                    "provider": "xlnet_fast"})  # no shape fields
+    text = campaign_report.summary_markdown(records)
+    assert "## Attention" in text and "could not be made from the records: KeyError" in text
+    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in text  # the other sections are there
