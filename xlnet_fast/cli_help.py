@@ -176,7 +176,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    f"--eval-batches, else {DEFAULT_EVAL_BATCHES})")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with spiece.model (default: the model directory's)")
     _layout_flags(p, lambda name: f"the run's, else {base[name]} (the base preset's)")
-    p.add_argument("--backend", choices=["auto", "eager", "triton"], help="attention backend (default: the "
+    p.add_argument("--backend", choices=BACKENDS, help="attention backend (default: the "
                    "model's config.json, auto if absent)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
     return p
