@@ -15,7 +15,6 @@ about 1% of the corpus, at least 2 x seq_len and at most 32 x seq_len per row of
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import os
@@ -23,10 +22,10 @@ import os
 import numpy as np
 import torch
 
-from .checkpoint import hash_file
-from .data import DataConfig, PretrainBatches, build_token_file, check_corpus, check_readable, corpus_digest
-from .distributed import all_sum, barrier
+from .data import DataConfig, PretrainBatches, check_corpus, check_readable, corpus_digest
+from .distributed import all_sum
 from .errors import UsageError
+from .prepare import prepared_tokens
 from .tokenizer import XLNetTokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,18 +61,6 @@ def split_heldout(tokens, seq_len: int, global_rows: int) -> tuple:
                          "is held out)")
     train = tokens.head(n_train) if hasattr(tokens, "head") else tokens[:n_train]  # TokenShards: no copy
     return train, np.asarray(tokens[n_train:])
-
-
-def token_file(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str, rank: int = 0,
-               world: int = 1) -> np.ndarray:
-    """The files' tokens, cached under ``cache_dir/shards`` by the files' content and the tokenizer
-    model (the key the training run uses for its data)."""
-    key = hashlib.sha256(f"{corpus_digest(paths)}:{hash_file(tokenizer.model_file)['sha256']}".encode()).hexdigest()
-    path = os.path.join(cache_dir, "shards", key[:16] + ".bin")
-    if rank == 0:
-        build_token_file(paths, tokenizer, path, fingerprint=key)
-    barrier(world)
-    return build_token_file(paths, tokenizer, path, fingerprint=key)
 
 
 def check_eval_files(paths: list[str], flag: str = "--eval-data") -> None:
@@ -155,7 +142,7 @@ def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None,
     """The run's evaluator: on ``c.eval_data``, else on the held-out tail of the training tokens; None
     (said once) when the run has neither (a run started before held-out evaluation existed)."""
     if c.eval_data:
-        tokens = token_file(c.eval_data, tokenizer, cache_dir, rank, world)
+        tokens = prepared_tokens(c.eval_data, tokenizer, cache_dir, rank, world)
         source = f"--eval-data {' '.join(c.eval_data)}"
     elif heldout is not None:
         tokens, source = heldout, "the held-out tail of the training data"
@@ -218,7 +205,7 @@ def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np
     settings, record = src.record["settings"], src.record
     if settings.get("eval_data"):
         check_eval_files(settings["eval_data"], "the run's --eval-data")
-        return token_file(settings["eval_data"], tokenizer, cache_dir), " ".join(settings["eval_data"])
+        return prepared_tokens(settings["eval_data"], tokenizer, cache_dir), " ".join(settings["eval_data"])
     if not settings.get("hold_out"):
         raise UsageError(f"{src.path}: its run held out no text (it predates held-out evaluation): pass --data FILE...")
     files = record["data"]
@@ -226,7 +213,7 @@ def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np
     if record.get("data_digest") not in (None, corpus_digest(files)):
         raise UsageError(f"the run's data {' '.join(files)} changed since the run: its held-out tail cannot be "
                          "rebuilt; pass --data FILE...")
-    tokens = token_file(files, tokenizer, cache_dir)
+    tokens = prepared_tokens(files, tokenizer, cache_dir)
     held = split_heldout(tokens, settings["seq_len"], settings["batch_size"] * (record.get("world_size") or 1))[1]
     return held, "the held-out tail of " + " ".join(files)
 
@@ -247,7 +234,7 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
     if data:
         data = [os.path.abspath(p) for p in data]
         check_eval_files(data, "--data")
-        tokens, what = token_file(data, tok, cache_dir), " ".join(data)
+        tokens, what = prepared_tokens(data, tok, cache_dir), " ".join(data)
     elif src.is_checkpoint:
         tokens, what = _run_eval_tokens(src, tok, cache_dir)
     else:

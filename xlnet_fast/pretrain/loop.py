@@ -31,7 +31,7 @@ from .errors import NonFiniteLossError
 from .evaluate import hold_out_tail, training_evaluator
 from .flops import run_throughput
 from .plot import plot_at_end
-from .prepare import TokenShards, is_prepared_dir, prepare_corpus, prepared_directory, tokenizer_digest, workers_for
+from .prepare import TokenShards, prepared_directory, prepared_tokens
 from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
 from .settings import PRESETS, TrainConfig, check_settings, data_config
 from .sharded import CheckpointWriter, restore_training_state
@@ -90,19 +90,7 @@ def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, r
     """The training batches and the held-out tail of the tokens (None with ``--eval-data``). The
     tokens: the prepared directory given as ``--data``, or the text files prepared (by rank 0, the
     others wait) into the cache, keyed by the text's and the tokenizer's contents."""
-    directory = prepared_directory(c.data)
-    if directory is None:
-        key = hashlib.sha256(f"{plan.data_digest}:{tokenizer_digest(tokenizer)}".encode()).hexdigest()
-        directory = os.path.join(cache_root(c), "prepared", key[:16])
-
-        def prepare() -> None:
-            if not is_prepared_dir(directory):
-                logger.info("preparing the data into %s (for a large corpus, run `xlnet-fast data prepare` "
-                            "first and pass its directory as --data)", directory)
-            prepare_corpus(c.data, tokenizer, directory, workers=workers_for(c.data), progress=c.progress)
-
-        from_rank0(prepare, rank, world)
-    tokens = TokenShards(directory)
+    tokens = prepared_tokens(c.data, tokenizer, cache_root(c), rank, world, c.progress, digest=plan.data_digest)
     tokens, heldout = hold_out_tail(tokens, c, rank, world) if c.hold_out else (tokens, None)
     batches = PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
     return batches, heldout

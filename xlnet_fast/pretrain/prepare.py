@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -48,7 +48,7 @@ try:
 except ImportError:  # not POSIX: concurrent prepares of one directory are not serialised
     fcntl = None
 
-from .data import check_readable, combine_digests, decode_line, file_digest, jsonl_record
+from .data import check_readable, combine_digests, corpus_digest, decode_line, file_digest, jsonl_record
 from .errors import UsageError
 from .tokenizer import EOD_ID, XLNetTokenizer
 
@@ -695,6 +695,29 @@ def workers_for(paths: Iterable[str | os.PathLike]) -> int:
     ``MIN_BYTES_PER_WORKER`` bytes (a small corpus is encoded in this process)."""
     total = sum(os.path.getsize(p) for p in paths)
     return max(1, min(default_workers(), total // MIN_BYTES_PER_WORKER))
+
+
+def prepared_tokens(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str, rank: int = 0, world: int = 1,
+                    progress: bool = False, digest: str | None = None) -> "TokenShards":
+    """The tokens of ``paths``: a prepared directory as it is, or text files prepared (by rank 0; the
+    others wait, and rank 0's error reaches them) into ``cache_dir/prepared``, keyed by the text's
+    content (``digest``: its ``corpus_digest`` when the caller has it) and the tokenizer's."""
+    from .distributed import from_rank0
+
+    directory = prepared_directory(paths)
+    if directory is None:
+        digest = digest or corpus_digest(paths)
+        key = hashlib.sha256(f"{digest}:{tokenizer_digest(tokenizer)}".encode()).hexdigest()
+        directory = os.path.join(cache_dir, "prepared", key[:16])
+
+        def prepare() -> None:
+            if not is_prepared_dir(directory):
+                logger.info("preparing %s into %s (for a large corpus, run `xlnet-fast data prepare` first and "
+                            "pass its directory)", " ".join(map(os.fspath, paths)), directory)
+            prepare_corpus(paths, tokenizer, directory, workers=workers_for(paths), progress=progress)
+
+        from_rank0(prepare, rank, world)
+    return TokenShards(directory)
 
 
 class TokenShards:
