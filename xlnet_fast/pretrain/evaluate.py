@@ -25,7 +25,7 @@ import torch
 from .data import DataConfig, PretrainBatches, check_corpus, check_readable, corpus_digest
 from .distributed import all_sum
 from .errors import UsageError
-from .prepare import prepared_tokens
+from .prepare import TokenShards, prepared_tokens
 from .tokenizer import XLNetTokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Evaluator:
     (global rows ``[rank * rows, (rank + 1) * rows)`` of ``rows * world``), the record layout of
     ``layout`` with the seed ``EVAL_SEED``."""
 
-    def __init__(self, tokens: np.ndarray, tokenizer: XLNetTokenizer, layout: DataConfig, rows: int,
+    def __init__(self, tokens: np.ndarray | TokenShards, tokenizer: XLNetTokenizer, layout: DataConfig, rows: int,
                  n_batches: int, mem_len: int, rank: int = 0, world: int = 1, source: str = "eval data") -> None:
         if n_batches < 1:
             raise ValueError(f"n_batches must be positive, got {n_batches}")
@@ -200,7 +200,7 @@ def _eval_settings(src, overrides: dict) -> dict:
     return s
 
 
-def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np.ndarray, str]:
+def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np.ndarray | TokenShards, str]:
     """The text the run evaluated on: its ``--eval-data``, else the held-out tail of its data."""
     settings, record = src.record["settings"], src.record
     if settings.get("eval_data"):
