@@ -191,8 +191,8 @@ def _check_combinations(config: XLNetConfig, B, L, attention_mask, input_mask, p
     _check_target_pos_range(target_pos, L)
 
 
-def _validate_inputs(config: XLNetConfig, weights: Tensor, input_ids, inputs_embeds, attention_mask, input_mask, mems, perm_mask,
-                     target_mapping, token_type_ids, q_rank, k_rank, target_pos) -> tuple[int, int]:
+def _validate_inputs(config: XLNetConfig, weights: Tensor, input_ids, inputs_embeds, attention_mask, input_mask,
+                     mems, perm_mask, target_mapping, token_type_ids, q_rank, k_rank, target_pos) -> tuple[int, int]:
     """Check shapes, ranges, dtypes and devices before any compute; returns (B, L)."""
     B, L = _check_tokens(config, weights, input_ids, inputs_embeds)
     _check_mems(config, mems, B)

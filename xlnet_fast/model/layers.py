@@ -83,7 +83,9 @@ class XLNetRelativeAttention(nn.Module):
     def _attend(self, q, k, v, k_r, stream: StreamMasks, inputs: AttentionInputs, output_attentions: bool):
         kwargs = dict(stream.op_kwargs(), qlen=inputs.qlen, **self._op_options(inputs))
         out = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
-        probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs) if output_attentions else None
+        probs = None
+        if output_attentions:
+            probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
         return out, probs
 
     def _two_streams(self, h: Tensor, g: Tensor, k, v, k_r, inputs: AttentionInputs):

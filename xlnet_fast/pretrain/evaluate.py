@@ -49,8 +49,9 @@ def heldout_length(n_tokens: int, seq_len: int, global_rows: int) -> int:
 
 
 def split_heldout(tokens, seq_len: int, global_rows: int) -> tuple:
-    """``(training part, held-out tail)`` of a token array or ``TokenShards`` (the training part is a view). ``UsageError`` when the
-    training part would be too small for ``global_rows`` streams of 2 x ``seq_len`` tokens."""
+    """``(training part, held-out tail)`` of a token array or ``TokenShards`` (the training part is a
+    view). ``UsageError`` when the training part would be too small for ``global_rows`` streams of
+    2 x ``seq_len`` tokens."""
     n_held = heldout_length(len(tokens), seq_len, global_rows)
     n_train = len(tokens) - n_held
     if n_train < global_rows * 2 * seq_len:
