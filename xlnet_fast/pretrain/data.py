@@ -421,3 +421,11 @@ class PretrainBatches:
         for r in self.row_ids:
             self.pos[r] = int(state["pos"][r])
             self.rngs[r].bit_generator.state = state["rng"][r]
+
+
+def model_on_batch(model, batch: dict[str, torch.Tensor], mems, use_mems: bool):
+    """``model`` (an ``XLNetLMHeadModel``, maybe wrapped by DDP/FSDP/compile) on one ``next_batch``
+    batch: the two-stream forward with the batch's compact masks; ``.logits`` is ``(B, num_predict,
+    vocab)`` over the target rows, ``.mems`` the new memory. Training and evaluation both call it."""
+    return model(batch["input_ids"], token_type_ids=batch["token_type_ids"], q_rank=batch["q_rank"],
+                 k_rank=batch["k_rank"], target_pos=batch["target_pos"], mems=mems, use_mems=use_mems)

@@ -22,7 +22,7 @@ import os
 import numpy as np
 import torch
 
-from .data import DataConfig, PretrainBatches, check_corpus, check_readable, corpus_digest
+from .data import DataConfig, PretrainBatches, check_corpus, check_readable, corpus_digest, model_on_batch
 from .distributed import all_sum
 from .errors import UsageError
 from .prepare import TokenShards, prepared_tokens
@@ -112,9 +112,7 @@ class Evaluator:
                     torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 for _ in range(self.n_batches):
                     batch = {k: v.to(device) for k, v in self.batches.next_batch().items()}
-                    out = model(batch["input_ids"], token_type_ids=batch["token_type_ids"], q_rank=batch["q_rank"],
-                                k_rank=batch["k_rank"], target_pos=batch["target_pos"], mems=mems,
-                                use_mems=use_mems)
+                    out = model_on_batch(model, batch, mems, use_mems)
                     labels = batch["labels"].reshape(-1)
                     ce = torch.nn.functional.cross_entropy(out.logits.float().reshape(labels.numel(), -1), labels,
                                                            reduction="none")

@@ -25,7 +25,7 @@ import torch
 from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
 from .checkpoint import hash_file
-from .data import PretrainBatches, iter_lines
+from .data import PretrainBatches, iter_lines, model_on_batch
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
 from .evaluate import hold_out_tail, training_evaluator
@@ -242,9 +242,7 @@ class Trainer:
             no_sync = not sync and hasattr(self.model, "no_sync")
             ctx = self.model.no_sync() if no_sync else contextlib.nullcontext()
             with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                out = self.model(batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                                 q_rank=batch["q_rank"], k_rank=batch["k_rank"], target_pos=batch["target_pos"],
-                                 mems=self.mems, use_mems=c.mem_len > 0)
+                out = model_on_batch(self.model, batch, self.mems, use_mems=c.mem_len > 0)
                 logits = out.logits.float()
                 # sum over this rank's targets / all ranks' targets; DDP averages gradients over
                 # ranks, so multiply by world: the update equals one process with the whole batch
