@@ -71,6 +71,8 @@ BAD_FLAGS = [
     (["--eval-batches", "0"], "--eval-batches must be a positive integer, got 0"),
     (["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
     (["--eval-data", "/nonexistent/held.txt"], "--eval-data: data file not found: /nonexistent/held.txt"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["--seed", str(10**23)], f"--seed must be an integer in [0, 2**63 - 1], got {10**23}"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
 ]

@@ -179,6 +179,34 @@ def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, step + 3))
 
 
+def _started(tmp_path, corpus, name):
+    """A long run in a child process, once it has logged 2 steps."""
+    proc = subprocess.Popen(pretrain_command(tmp_path / name, corpus, tmp_path / "cache", "--steps", "100000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / name / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    return proc
+
+
+def test_ctrl_c_saves_like_sigterm_and_twice_stops_at_once(corpus, tmp_path):
+    proc = _started(tmp_path, corpus, "run")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "pretrain stopped by SIGINT at step" in out
+    ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert ckpts and (ckpts[-1] / "COMPLETE").exists()
+    proc = _started(tmp_path, corpus, "again")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "xlnet-fast: error: interrupted"
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_two_rank_update_equals_one_rank_with_double_batch(corpus, tmp_path, sharding):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -72,7 +72,8 @@ def _eval(args: argparse.Namespace) -> int:
     layout = {name: getattr(args, name) for name in ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size",
                                                      "batch_size")}
     result = evaluate_model_dir(args.model, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
-                                cache_dir=args.cache_dir, backend=args.backend, **layout)
+                                cache_dir=args.cache_dir, backend=args.backend, verify=not args.no_verify,
+                                verify_data=args.verify_data, **layout)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -83,7 +84,7 @@ def _plot(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run_dir):
         from .pretrain.errors import UsageError
 
-        raise UsageError(f"{args.run_dir} is not a directory")
+        raise UsageError(f"{args.run_dir} is not a directory")  # a file, or missing
     print(f"wrote {write_loss_plot(args.run_dir, args.out)}")
     return 0
 
@@ -92,7 +93,7 @@ def _export(args: argparse.Namespace) -> int:
     from .pretrain.export import DTYPE_NAMES, export_model
 
     _setup_logging()
-    r = export_model(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    r = export_model(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, verify=not args.no_verify)
     print(f"wrote {r['out']} ({r['parameters']:,} parameters, {r['dtype']}) from {r['source']}: load with "
           f"transformers.XLNetLMHeadModel.from_pretrained({r['out']!r}) or xlnet_fast's")
     if r["dtype"] != "fp32":  # transformers' XLNet creates its attention weights as float32 tensors
@@ -104,10 +105,13 @@ def _export(args: argparse.Namespace) -> int:
 def _tokenizer_train(args: argparse.Namespace) -> int:
     from .pretrain.data import check_corpus, iter_lines
     from .pretrain.errors import UsageError
-    from .pretrain.tokenizer import SPECIAL_TOKENS, train_tokenizer
+    from .pretrain.outputs import check_output_dir
+    from .pretrain.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES, train_tokenizer
 
     if args.vocab_size <= len(SPECIAL_TOKENS):
         raise UsageError(f"--vocab-size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {args.vocab_size}")
+    check_output_dir(args.out, command="tokenizer train", inputs=args.files,
+                     owned=lambda name, is_dir: name in TOKENIZER_FILES)
     check_corpus(args.files)
     tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
     print(f"wrote {tok.model_file} ({tok.vocab_size} pieces)")
@@ -132,7 +136,7 @@ def _data_prepare(args: argparse.Namespace) -> int:
         raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     data = prepare_corpus(args.files, tokenizer, args.out, workers=args.workers, shard_tokens=args.shard_tokens,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, verify=True)  # an existing directory: every shard hashed
     print(f"{args.out}: {len(data)} tokens ({data.dtype.name}) in {len(data.index['shards'])} shard(s), "
           f"{data.num_documents} documents from {len(args.files)} file(s)")
     return 0
@@ -178,16 +182,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run a command; a user's mistake is one line on stderr and exit status 2."""
+    """Run a command. Each error is one line on stderr, never a traceback: a user's mistake (a bad
+    flag, an unusable input file or checkpoint) exits 2, an environment failure (disk full, permission,
+    a path under a file; the line names the path) exits 1, a Ctrl-C that stops at once exits 130."""
     args = build_parser().parse_args(argv)
-    from .pretrain.errors import UsageError
+    from .pretrain.errors import CheckpointError, UsageError, os_error_line, underlying_os_error
 
     try:
         return args.func(args)
-    except UsageError as exc:
+    except (UsageError, CheckpointError) as exc:
         _error(str(exc))
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        _error(os_error_line(exc))
+        return EXIT_FAILURE
+    except BaseException as exc:  # e.g. torch.distributed.checkpoint's CheckpointException around a full disk
+        cause = underlying_os_error(exc)
+        if cause is None or isinstance(exc, (SystemExit, GeneratorExit)):
+            raise
+        _error(os_error_line(cause))
+        return EXIT_FAILURE
 
 
 if __name__ == "__main__":

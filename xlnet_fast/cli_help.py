@@ -135,6 +135,7 @@ def _pretrain_machine_flags(p: argparse.ArgumentParser) -> None:
                    help="write checkpoints in the background: the step that saves waits only for the copy of its "
                    "state to host memory (default: off)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
+    _verify_data_flag(p)
     p.add_argument("--no-progress", action="store_true", dest="no_progress", default=None,
                    help="no progress bar (default: a bar on rank 0)")
 
@@ -179,7 +180,21 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, help="attention backend (default: the "
                    "model's config.json, auto if absent)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
+    _no_verify_flag(p)
+    _verify_data_flag(p)
     return p
+
+
+def _no_verify_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-verify", action="store_true", dest="no_verify", help="read a training checkpoint without "
+                   "comparing its files with the sha256 checksums in its COMPLETE, which reads every byte once more "
+                   "(COMPLETE and every file's size are still checked) (default: off: verified)")
+
+
+def _verify_data_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-data", action="store_true", dest="verify_data", default=None,
+                   help="hash every shard of a prepared --data directory against its index.json (default: off: "
+                   "sizes, index and tokenizer always, hashes only of shards modified since they were prepared)")
 
 
 def add_plot_parser(sub) -> argparse.ArgumentParser:
@@ -197,7 +212,9 @@ def add_export_parser(sub) -> argparse.ArgumentParser:
                    "or a checkpoint directory (required)")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (required)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32", help="weights' dtype (default: %(default)s)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (default: off)")
+    p.add_argument("--overwrite", action="store_true", help="replace an --out written by an earlier export "
+                   "(default: off); a directory with other files is never replaced")
+    _no_verify_flag(p)
     return p
 
 
@@ -209,7 +226,7 @@ def add_tokenizer_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 .txt or .jsonl files to learn from (required)")
     t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000, help="pieces (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for spiece.model and the transformers tokenizer "
-                   "files (required)")
+                   "files (required): new, empty, or holding only those files (they are replaced)")
     return t
 
 
@@ -225,8 +242,8 @@ def add_data_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("files", nargs="+", metavar="FILE", help=".txt (blank line = new document) or .jsonl with a "
                    "string 'text' field, UTF-8 (required)")
     d.add_argument("--tokenizer", required=True, help="directory with spiece.model (required)")
-    d.add_argument("--out", required=True, help="output directory (required); a copy of the tokenizer goes to "
-                   "OUT/tokenizer")
+    d.add_argument("--out", required=True, help="output directory (required): new, empty, or one this command "
+                   "prepared (a directory with other files is refused); a copy of the tokenizer goes to OUT/tokenizer")
     d.add_argument("--workers", type=int, default=None, help="encoding processes (default: the usable CPU cores, "
                    f"{default_workers()} here)")
     d.add_argument("--shard-tokens", type=int, dest="shard_tokens", default=DEFAULT_SHARD_TOKENS,

@@ -6,7 +6,9 @@
   attention, the original ``_local_perm``);
 - ``compare``: the relative error every comparison uses;
 - ``models``: twin transformers/xlnet_fast models on the small config, token ids;
-- ``pretraining``: the small corpus and the tiny training run (as a config and as a command line).
+- ``pretraining``: the small corpus and the tiny training run (as a config and as a command line);
+- ``faults``: fault injection (a flipped byte, a truncated file, a full disk through ``RLIMIT_FSIZE`` in
+  a child process) and the one error line a failed command prints.
 
 ``tests/conftest.py`` puts ``tests/`` on ``sys.path`` so that ``import helpers`` works under
 ``--import-mode=importlib``.

@@ -8,7 +8,7 @@ saves, resumed on any number of ranks), ``distributed`` (process-group helpers),
 (``pretrain``), ``prepare`` (parallel tokenization into sharded token files), ``evaluate`` (held-out
 evaluation, ``xlnet-fast eval``), ``flops`` (FLOPs of a step, device peaks, tokens/s and MFU),
 ``summary`` and ``plot`` (the end-of-run summary, ``loss.png``), ``artifacts`` (run, checkpoint and
-transformers directories) and ``export``.
+transformers directories), ``export`` and ``outputs`` (where a command may write).
 """
 
 from .checkpoint import check_checkpoint, list_checkpoints, load_latest_checkpoint

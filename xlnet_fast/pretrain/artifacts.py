@@ -2,29 +2,37 @@
 newest readable checkpoint), one training checkpoint (``out/checkpoints/step_N``), or a transformers
 directory (``config.json`` and weights, e.g. written by ``XLNetLMHeadModel.save_pretrained``).
 
-A training checkpoint's weights are read only through ``checkpoint.read_model_state`` /
-``checkpoint.load_model_weights`` and its model configuration from its ``config.json``.
+A training checkpoint is checked when it is resolved (``checkpoint.check_checkpoint``: ``COMPLETE``
+present, every file's size and, unless ``verify`` is off, sha256) and its weights are read only
+through ``checkpoint.read_model_state`` / ``checkpoint.load_model_weights``, which check it too.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
-from .checkpoint import list_checkpoints, load_model_weights, newest_readable, read_model_state, read_run_record
+from .checkpoint import (check_checkpoint, list_checkpoints, load_model_weights, newest_readable, read_model_state,
+                         read_run_record)
 from .errors import UsageError
 from .settings import TrainConfig
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
 
+logger = logging.getLogger(__name__)
+
 RUN_RECORD_NAME = "run.json"
+NO_VERIFY_NOTE = ("not comparing the checkpoint's files with the sha256 checksums in its COMPLETE (--no-verify): "
+                  "COMPLETE must still be there and every file's size match it")
 
 
 @dataclass
 class ModelDir:
     path: str  # the directory holding config.json and the weights
     record: dict | None  # a training checkpoint's run record (settings, data, world size); None otherwise
+    verify: bool = True  # a training checkpoint's files are compared with the checksums in its COMPLETE
 
     @property
     def step(self) -> int | None:
@@ -35,21 +43,25 @@ class ModelDir:
         return self.record is not None
 
 
-def resolve_model_dir(path: str, flag: str) -> ModelDir:
-    """``path`` as a run directory, a training checkpoint or a transformers directory; anything else
-    is a ``UsageError`` naming ``flag``."""
+def resolve_model_dir(path: str, flag: str, verify: bool = True) -> ModelDir:
+    """``path`` as a run directory, a training checkpoint (checked: a damaged or unfinished one is a
+    ``CheckpointError`` naming the file; ``verify=False`` skips the checksums) or a transformers
+    directory; anything else is a ``UsageError`` naming ``flag``."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise UsageError(f"{flag} {path}: not a directory")
+    if not verify:
+        logger.warning(NO_VERIFY_NOTE)
     if os.path.isdir(os.path.join(path, "checkpoints")):  # a run directory
         found = list_checkpoints(TrainConfig(out=path))
-        newest, _ = newest_readable(found)
+        newest, _ = newest_readable(found, checksums=verify)
         if newest is None:
             raise UsageError(f"{flag} {path}: no readable checkpoint in {os.path.join(path, 'checkpoints')}"
                              + (f" ({len(found)} unreadable)" if found else ""))
         path = newest
     if os.path.exists(os.path.join(path, RUN_RECORD_NAME)) or os.path.exists(os.path.join(path, "trainer.pt")):
-        return ModelDir(path, read_run_record(path))
+        check_checkpoint(path, checksums=verify)  # before anything of it is used
+        return ModelDir(path, read_run_record(path), verify)
     if os.path.exists(os.path.join(path, "config.json")):
         return ModelDir(path, None)
     raise UsageError(f"{flag} {path}: neither a run directory, a training checkpoint nor a transformers "
@@ -70,7 +82,7 @@ def load_lm(src: ModelDir, **config_overrides) -> XLNetLMHeadModel:
     try:
         if src.is_checkpoint:
             model = XLNetLMHeadModel(config)
-            load_model_weights(model, src.path)
+            load_model_weights(model, src.path, verify=src.verify)
             return model.eval()
         return XLNetLMHeadModel.from_pretrained(src.path, config=config)
     except (OSError, ValueError) as exc:
@@ -81,7 +93,7 @@ def model_state(src: ModelDir) -> dict:
     """The full model state (transformers' names, CPU tensors) of a checkpoint or of a transformers
     directory."""
     if src.is_checkpoint:
-        return read_model_state(src.path)
+        return read_model_state(src.path, verify=src.verify)
     return load_lm(src).state_dict()
 
 

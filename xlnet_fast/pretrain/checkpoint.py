@@ -140,15 +140,16 @@ def _read_manifest(path: str) -> tuple[int, dict | None]:
     return content["step"], content["files"]
 
 
-def _verify_file(path: str, expected: dict) -> None:
+def _verify_file(path: str, expected: dict, checksums: bool = True) -> None:
+    """The file's size against the manifest's, and its sha256 too with ``checksums``."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing")
-    actual = hash_file(path)
-    if actual["size"] != expected.get("size"):
-        raise CheckpointError(f"{path} has {actual['size']} bytes, the manifest says {expected.get('size')} "
-                              "(truncated?)")
-    if actual["sha256"] != expected.get("sha256"):
-        raise CheckpointError(f"{path} does not match its checksum in COMPLETE (corrupted)")
+    size = os.path.getsize(path)
+    if size != expected.get("size"):
+        raise CheckpointError(f"{path} has {size} bytes, the manifest says {expected.get('size')} (truncated?)")
+    if checksums and hash_file(path)["sha256"] != expected.get("sha256"):
+        raise CheckpointError(f"{path} does not match its checksum in COMPLETE (corrupted; --no-verify, or "
+                              "verify=False in Python, reads it without comparing checksums)")
 
 
 def dcp_metadata(directory: str):
@@ -210,17 +211,41 @@ def _check_sharded(path: str, step: int, files: dict | None, parsed: dict) -> No
     _check_shard_index(path, parsed[DCP_METADATA_NAME], files)
 
 
-def check_checkpoint(path: str) -> int:
+# checkpoints whose checksums were verified in this process, by the files' (name, size, mtime):
+# reading one again (a run directory resolved, then its weights read) does not hash it again
+_verified: dict[tuple, int] = {}
+
+
+def _stat_key(path: str) -> tuple:
+    entries = sorted(os.scandir(path), key=lambda e: e.name)
+    return (os.path.realpath(path), *((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries))
+
+
+def check_checkpoint(path: str, checksums: bool = True) -> int:
     """Read every file of a training checkpoint and return its step.
 
-    Files listed in the ``COMPLETE`` manifest must exist with their size and sha256; every file of a
-    known kind must parse; the DCP index must point only into listed shards. A checkpoint of an earlier
-    version without a manifest needs ``trainer.pt`` and whatever else it holds to parse (its weights
-    finite). Raises ``CheckpointError`` naming the first bad file."""
+    Files listed in the ``COMPLETE`` manifest must exist with their size and (``checksums``) sha256;
+    every file of a known kind must parse; the DCP index must point only into listed shards. A
+    checkpoint of an earlier version without a manifest needs ``trainer.pt`` and whatever else it holds
+    to parse (its weights finite). Raises ``CheckpointError`` naming the first bad file (a directory
+    without ``COMPLETE``, e.g. an unfinished ``step_N.tmp``, is one)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    key = _stat_key(path)
+    if key in _verified:
+        return _verified[key]
+    step = _check_checkpoint(path, checksums)
+    if checksums:
+        _verified[key] = step
+    return step
+
+
+def _check_checkpoint(path: str, checksums: bool) -> int:
     step, files = _read_manifest(path)
     if files is not None:
         for name, expected in sorted(files.items()):
-            _verify_file(os.path.join(path, name), expected)
+            _verify_file(os.path.join(path, name), expected, checksums)
         names = sorted(files)
     else:
         names = sorted(n for n in os.listdir(path) if n != MANIFEST_NAME)
@@ -236,12 +261,12 @@ def check_checkpoint(path: str) -> int:
     return step
 
 
-def newest_readable(paths: list[str]) -> tuple[str | None, list[str]]:
+def newest_readable(paths: list[str], checksums: bool = True) -> tuple[str | None, list[str]]:
     """The newest checkpoint of ``paths`` whose files all read, and the newer ones that do not."""
     rejected = []
     for path in reversed(paths):
         try:
-            check_checkpoint(path)
+            check_checkpoint(path, checksums)
             return path, rejected
         except CheckpointError as exc:
             logger.warning("checkpoint %s is unreadable: %s; falling back to the previous one", path, exc)
@@ -287,19 +312,31 @@ def empty_entries(metadata, prefix: tuple[str, ...]) -> dict:
     return out
 
 
-def read_model_state(path: str) -> dict[str, torch.Tensor]:
+def read_model_state(path: str, verify: bool = True) -> dict[str, torch.Tensor]:
     """A checkpoint's full model state on the CPU, under transformers' parameter names (tied weights
     once, as ``save_pretrained`` writes them), read in this process alone from the DCP shards of any
-    number of ranks (or from ``model.safetensors`` of an earlier version's checkpoint)."""
-    if not is_sharded(path):
-        from safetensors.torch import load_file
+    number of ranks (or from ``model.safetensors`` of an earlier version's checkpoint).
 
-        return load_file(os.path.join(path, "model.safetensors"))
-    state = {MODEL_KEY: empty_entries(dcp_metadata(path), (MODEL_KEY,))}
-    dcp_load(state, path, no_dist=True)
+    The checkpoint is checked first (``check_checkpoint``: ``COMPLETE`` present, every file's size
+    and, unless ``verify=False``, sha256); any problem is a ``CheckpointError`` naming the file."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    path = os.fspath(path)
+    check_checkpoint(path, checksums=verify)
+    try:
+        if not is_sharded(path):
+            from safetensors.torch import load_file
+
+            return load_file(os.path.join(path, "model.safetensors"))
+        state = {MODEL_KEY: empty_entries(dcp_metadata(path), (MODEL_KEY,))}
+        dcp_load(state, path, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # checked, yet unreadable (damaged, not verified)
+        raise CheckpointError(f"{path}: cannot read the model weights ({type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())[:300]})") from None
     return state[MODEL_KEY]
 
 
-def load_model_weights(model: torch.nn.Module, path: str) -> None:
-    """A checkpoint's model weights into ``model`` (an ``XLNetPreTrainedModel``)."""
-    model.load_hf_state_dict(read_model_state(path), source=path)
+def load_model_weights(model: torch.nn.Module, path: str, verify: bool = True) -> None:
+    """A checkpoint's model weights into ``model`` (an ``XLNetPreTrainedModel``), checked as
+    ``read_model_state`` checks them (``verify=False``: sizes, not checksums)."""
+    model.load_hf_state_dict(read_model_state(path, verify=verify), source=path)

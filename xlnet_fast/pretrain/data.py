@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 # --------------------------------------------------------------------------------------------------
 
 
+JSONL_SUFFIXES = (".jsonl", ".ndjson")  # JSON lines, whatever the case of the suffix (.JSONL, .NDJSON)
+
+
+def is_jsonl(path: str | os.PathLike) -> bool:
+    """Whether a data file is read as JSON lines (one record with a ``text`` field per line) rather
+    than as plain text."""
+    return os.path.splitext(os.fspath(path))[1].lower() in JSONL_SUFFIXES
+
+
 def decode_line(path: str, lineno: int, raw: bytes) -> str:
     """One line of a UTF-8 file as text; other bytes are an error naming the file and line."""
     try:
@@ -93,12 +102,13 @@ def _text_documents(path: str) -> Iterator[list[str]]:
 
 
 def iter_documents(paths: Iterable[str | os.PathLike]) -> Iterator[list[str]]:
-    """Documents as lists of text lines. ``.jsonl``: one record per line with a string ``text`` field;
-    a new ``book`` (or ``doc``) value starts a new document. Other files: plain text, a blank line ends
-    a document. Files must be UTF-8; a bad line raises ``UsageError`` naming the file and line."""
+    """Documents as lists of text lines. ``.jsonl``/``.ndjson`` (any case): one record per line with a
+    string ``text`` field; a new ``book`` (or ``doc``) value starts a new document. Other files: plain
+    text, a blank line ends a document. Files must be UTF-8; a bad line raises ``UsageError`` naming the
+    file and line."""
     for path in paths:
         path = os.fspath(path)
-        yield from (_jsonl_documents(path) if path.endswith(".jsonl") else _text_documents(path))
+        yield from (_jsonl_documents(path) if is_jsonl(path) else _text_documents(path))
 
 
 def iter_lines(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
@@ -135,7 +145,7 @@ def check_corpus(paths: Iterable[str | os.PathLike]) -> None:
 
 def file_digest(path: str) -> str:
     """sha256 of the file's bytes (streamed) and of how it is parsed (``.jsonl`` or plain text)."""
-    h = hashlib.sha256(b"jsonl:" if path.endswith(".jsonl") else b"text:")
+    h = hashlib.sha256(b"jsonl:" if is_jsonl(path) else b"text:")
     try:
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):

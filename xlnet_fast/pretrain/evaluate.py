@@ -22,10 +22,10 @@ import os
 import numpy as np
 import torch
 
-from .data import DataConfig, PretrainBatches, check_corpus, check_readable, corpus_digest, model_on_batch
+from .data import DataConfig, PretrainBatches, check_corpus, check_readable, model_on_batch
 from .distributed import all_sum
 from .errors import UsageError
-from .prepare import TokenShards, prepared_tokens
+from .prepare import TokenShards, data_digest, prepared_directory, prepared_tokens
 from .tokenizer import XLNetTokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,12 +65,19 @@ def split_heldout(tokens, seq_len: int, global_rows: int) -> tuple:
 
 
 def check_eval_files(paths: list[str], flag: str = "--eval-data") -> None:
-    """``UsageError`` naming the flag and the first unusable file (missing, not UTF-8, no text)."""
+    """``UsageError`` naming the flag and the first unusable file (missing, not UTF-8, no text), or
+    the problem of a prepared directory given instead of text files (not prepared data, unfinished,
+    damaged)."""
     try:
+        directory = prepared_directory(paths, flag)
+        if directory is not None:
+            TokenShards(directory)  # the index, the tokenizer, every shard's size (and hash if it changed)
+            return
         check_readable(paths)
         check_corpus(paths)
     except UsageError as exc:
-        raise UsageError(f"{flag}: {exc}") from None
+        message = str(exc)
+        raise UsageError(message if message.startswith(flag) else f"{flag}: {message}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,7 +148,7 @@ def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None,
     """The run's evaluator: on ``c.eval_data``, else on the held-out tail of the training tokens; None
     (said once) when the run has neither (a run started before held-out evaluation existed)."""
     if c.eval_data:
-        tokens = prepared_tokens(c.eval_data, tokenizer, cache_dir, rank, world)
+        tokens = prepared_tokens(c.eval_data, tokenizer, cache_dir, rank, world, verify=c.verify_data)
         source = f"--eval-data {' '.join(c.eval_data)}"
     elif heldout is not None:
         tokens, source = heldout, "the held-out tail of the training data"
@@ -190,7 +197,8 @@ def _eval_settings(src, overrides: dict) -> dict:
         s = {n: PRESETS["base"][n] for n in LAYOUT_SETTINGS}
         s.update(world=1, eval_batches=None)
     s.update({k: v for k, v in overrides.items() if v is not None})
-    s["eval_batches"] = s["eval_batches"] or DEFAULT_EVAL_BATCHES
+    if s["eval_batches"] is None:  # neither --batches nor the run's --eval-batches (0 is refused below)
+        s["eval_batches"] = DEFAULT_EVAL_BATCHES
     for name, flag in (("batch_size", "--batch-size"), ("eval_batches", "--batches"), ("seq_len", "--seq-len")):
         if s[name] < 1:
             raise UsageError(f"{flag} must be a positive integer, got {s[name]}")
@@ -199,43 +207,64 @@ def _eval_settings(src, overrides: dict) -> dict:
     return s
 
 
-def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str) -> tuple[np.ndarray | TokenShards, str]:
-    """The text the run evaluated on: its ``--eval-data``, else the held-out tail of its data."""
+def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str,
+                     verify_data: bool = False) -> tuple[np.ndarray | TokenShards, str]:
+    """The text the run evaluated on: its ``--eval-data`` (refused when its content changed since
+    the run, so the value is the run's), else the held-out tail of its data (text files or a prepared
+    directory, which must be the run's)."""
     settings, record = src.record["settings"], src.record
     if settings.get("eval_data"):
-        check_eval_files(settings["eval_data"], "the run's --eval-data")
-        return prepared_tokens(settings["eval_data"], tokenizer, cache_dir), " ".join(settings["eval_data"])
+        files = settings["eval_data"]
+        check_eval_files(files, "the run's --eval-data")
+        _check_unchanged(files, record.get("eval_data_digest"), "--eval-data", "the text it evaluated on")
+        tokens = prepared_tokens(files, tokenizer, cache_dir, verify=verify_data)
+        return tokens, " ".join(files)
     if not settings.get("hold_out"):
         raise UsageError(f"{src.path}: its run held out no text (it predates held-out evaluation): pass --data FILE...")
     files = record["data"]
     check_eval_files(files, "the run's --data")
-    if record.get("data_digest") not in (None, corpus_digest(files)):
-        raise UsageError(f"the run's data {' '.join(files)} changed since the run: its held-out tail cannot be "
-                         "rebuilt; pass --data FILE...")
-    tokens = prepared_tokens(files, tokenizer, cache_dir)
+    _check_unchanged(files, record.get("data_digest"), "data", "its held-out tail")
+    tokens = prepared_tokens(files, tokenizer, cache_dir, verify=verify_data)
     held = split_heldout(tokens, settings["seq_len"], settings["batch_size"] * (record.get("world_size") or 1))[1]
     return held, "the held-out tail of " + " ".join(files)
 
 
+def _check_unchanged(files: list[str], recorded: str | None, what: str, used: str) -> None:
+    """``UsageError`` when the content of the run's ``files`` is no longer the one it recorded."""
+    if recorded is None:
+        logger.warning("cannot tell whether the run's %s %s changed since the run (its checkpoint records no "
+                       "content digest of it)", what, " ".join(files))
+        return
+    digest = data_digest(files)
+    if digest != recorded:
+        raise UsageError(f"the run's {what} {' '.join(files)} changed since the run (content digest {recorded[:12]} "
+                         f"-> {digest[:12]}): {used} is no longer the run's; pass --data FILE... to evaluate on it "
+                         "as it is now")
+
+
 def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int | None = None,
                        tokenizer: str | None = None, cache_dir: str | None = None, backend: str | None = None,
-                       device: torch.device | None = None, **layout: int | None) -> dict:
+                       device: torch.device | None = None, verify: bool = True, verify_data: bool | None = None,
+                       **layout: int | None) -> dict:
     """``xlnet-fast eval``: the held-out permutation-LM loss of the model in ``model`` (a run
-    directory, a training checkpoint or a transformers directory) on ``data`` (default: the text the
-    run evaluated on), as one JSON-able dict. ``layout``: ``LAYOUT_SETTINGS`` overrides."""
+    directory, a training checkpoint or a transformers directory) on ``data`` (text files or a
+    prepared directory; default: the text the run evaluated on), as one JSON-able dict. ``layout``:
+    ``LAYOUT_SETTINGS`` overrides; ``verify``: compare a checkpoint with its checksums;
+    ``verify_data``: hash every shard of prepared data."""
     from .artifacts import load_lm, load_tokenizer, resolve_model_dir
     from .run_dir import default_cache_dir
 
-    src = resolve_model_dir(model, "--model")
+    src = resolve_model_dir(model, "--model", verify=verify)
     s = _eval_settings(src, {**layout, "eval_batches": batches})
     tok = load_tokenizer(src, tokenizer)
     cache_dir = default_cache_dir(cache_dir)
+    verify_data = bool(verify_data)
     if data:
         data = [os.path.abspath(p) for p in data]
         check_eval_files(data, "--data")
-        tokens, what = prepared_tokens(data, tok, cache_dir), " ".join(data)
+        tokens, what = prepared_tokens(data, tok, cache_dir, verify=verify_data), " ".join(data)
     elif src.is_checkpoint:
-        tokens, what = _run_eval_tokens(src, tok, cache_dir)
+        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data)
     else:
         raise UsageError(f"--model {src.path} is not a training checkpoint: pass --data FILE... to evaluate on")
     overrides = {"mem_len": s["mem_len"], "reuse_len": s["reuse_len"]}

@@ -4,12 +4,16 @@ The output holds ``config.json``, ``model.safetensors`` (in the chosen dtype, ti
 the tokenizer files (``spiece.model``, ``tokenizer.json``, ``tokenizer_config.json``) — no optimizer,
 trainer, rank or run state. ``transformers.XLNetLMHeadModel.from_pretrained(out)`` and
 ``xlnet_fast.XLNetLMHeadModel.from_pretrained(out)`` load it. It is written into a temporary sibling
-directory, fsynced, and renamed into place; a non-empty ``out`` is replaced only with ``overwrite``.
+directory, fsynced, and renamed into place; a failed write (a full disk) leaves nothing behind. ``out``
+follows ``outputs.check_output_dir``: never the source, inside it or around it, never a run, checkpoint
+or prepared directory; an ``out`` holding an earlier export is replaced only with ``overwrite``, one
+holding any other file never.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import torch
@@ -17,23 +21,38 @@ import torch
 from .artifacts import load_tokenizer, model_state, read_config, resolve_model_dir
 from .checkpoint import fsync_dir, hash_file
 from .errors import UsageError
+from .outputs import check_output_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names
 TIED_WEIGHTS = ("lm_loss.weight",)  # = transformer.word_embedding.weight
 
 
-def _check_out(out: str, overwrite: bool) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out} is a file, not a directory")
+EXPORT_FILES = ("config.json", "model.safetensors", "spiece.model", "tokenizer.json", "tokenizer_config.json")
+
+
+def _check_out(source: str, out: str, overwrite: bool) -> None:
+    check_output_dir(out, command="export", inputs=[source], owned=lambda name, is_dir: name in EXPORT_FILES)
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
         raise UsageError(f"--out {out} is not empty: pass --overwrite to replace it")
 
 
-def _write(tmp: str, src, dtype: str) -> int:
-    """config.json, model.safetensors and the tokenizer into ``tmp``; returns the parameter count."""
+def _save_safetensors(state: dict, path: str) -> None:
+    """``safetensors``' ``save_file``; its I/O errors (a Rust error type) become an ``OSError`` naming ``path``."""
     from safetensors.torch import save_file
 
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except Exception as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        number = int(code.group(1))
+        raise OSError(number, os.strerror(number) if number else str(exc), path) from None
+
+
+def _write(tmp: str, src, dtype: str) -> int:
+    """config.json, model.safetensors and the tokenizer into ``tmp``; returns the parameter count."""
     config = read_config(src, attn_backend="auto")
     config.architectures = ["XLNetLMHeadModel"]
     config.dtype = DTYPE_NAMES[dtype]
@@ -41,7 +60,7 @@ def _write(tmp: str, src, dtype: str) -> int:
     state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
     os.makedirs(tmp)
     config.save_pretrained(tmp)
-    save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    _save_safetensors(state, os.path.join(tmp, "model.safetensors"))
     load_tokenizer(src, flag=None).save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.chmod(os.path.join(tmp, name), 0o644)  # safetensors writes 0600; the export is for sharing
@@ -50,27 +69,37 @@ def _write(tmp: str, src, dtype: str) -> int:
     return sum(v.numel() for v in state.values())
 
 
-def export_model(source: str, out: str, dtype: str = "fp32", overwrite: bool = False) -> dict:
+def export_model(source: str, out: str, dtype: str = "fp32", overwrite: bool = False, verify: bool = True) -> dict:
     """Write ``source`` (a run directory, a training checkpoint or a transformers directory with a
-    tokenizer) to ``out``; returns ``{"source", "out", "dtype", "parameters"}``."""
+    tokenizer) to ``out``; returns ``{"source", "out", "dtype", "parameters"}``. A training checkpoint
+    is verified against its ``COMPLETE`` first (``verify=False``: sizes, not checksums)."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = os.path.abspath(out)
-    _check_out(out, overwrite)
-    src = resolve_model_dir(source, "export")
-    if os.path.abspath(src.path) == out or out.startswith(os.path.abspath(src.path) + os.sep):
-        raise UsageError(f"--out {out} is inside the exported checkpoint {src.path}")
+    _check_out(source, out, overwrite)
+    src = resolve_model_dir(source, "export", verify=verify)
+    _check_out(src.path, out, overwrite)  # the checkpoint a run directory resolved to
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp{os.getpid()}")
     old = os.path.join(parent, f".{os.path.basename(out)}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    aside = False
     try:
-        n_params = _write(tmp, src, dtype)
+        try:
+            n_params = _write(tmp, src, dtype)
+        except OSError as exc:  # named as the file in --out (the temporary directory is removed below)
+            name = os.fspath(exc.filename) if exc.filename is not None else tmp
+            raise OSError(exc.errno, exc.strerror, out + name[len(tmp):] if name.startswith(tmp) else name) from None
         if os.path.isdir(out) and os.listdir(out):  # --overwrite: move the old one aside, then swap
             os.replace(out, old)
+            aside = True
         os.replace(tmp, out)  # also replaces an empty directory
         fsync_dir(parent)
+    except BaseException:
+        if aside and not os.path.exists(out):  # the swap failed: the earlier export goes back
+            os.replace(old, out)
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)

@@ -3,9 +3,10 @@
 ``pretrain(TrainConfig(...))`` (or ``xlnet-fast pretrain``) plans the run (``run_dir.plan_run``),
 builds the tokenizer, the batches (``data.PretrainBatches``: two streams, the query stream on the
 ``num_predict`` targets only) and ``XLNetLMHeadModel``, and trains with mems carried per rank across
-steps. Checkpoints: ``checkpoint.py`` (layout), ``sharded.py`` (saving, restoring). SIGTERM saves a
-checkpoint at the next step boundary and exits 0; a non-finite loss, gradient norm or weight stops
-the run before anything non-finite is saved.
+steps. Checkpoints: ``checkpoint.py`` (layout), ``sharded.py`` (saving, restoring). SIGTERM or
+Ctrl-C (SIGINT) saves a checkpoint at the next step boundary and exits 0 (a second Ctrl-C stops at
+once, without saving); a non-finite loss, gradient norm or weight stops the run before anything
+non-finite is saved.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, r
     """The training batches and the held-out tail of the tokens (None with ``--eval-data``). The
     tokens: the prepared directory given as ``--data``, or the text files prepared (by rank 0, the
     others wait) into the cache, keyed by the text's and the tokenizer's contents."""
-    tokens = prepared_tokens(c.data, tokenizer, cache_root(c), rank, world, c.progress, digest=plan.data_digest)
+    tokens = prepared_tokens(c.data, tokenizer, cache_root(c), rank, world, c.progress, digest=plan.data_digest,
+                             verify=c.verify_data)
     tokens, heldout = hold_out_tail(tokens, c, rank, world) if c.hold_out else (tokens, None)
     batches = PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
     return batches, heldout
@@ -148,25 +150,37 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag checked at step boundaries."""
+    """Turns SIGTERM and SIGINT (Ctrl-C) into a flag checked at step boundaries, where the run saves
+    and stops; a second SIGINT raises ``KeyboardInterrupt`` at once (stop without saving)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
-        self._old = None
+        self.signal_name = "SIGTERM"
+        self._old: dict = {}
 
     def __enter__(self):
-        try:
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread
-            self._old = None
+        for sig in self.SIGNALS:
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
         return self
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
+            if signum == signal.SIGINT:
+                logger.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping (Ctrl-C again "
+                               "stops at once, without saving)")
         self.requested = True
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
 
 
 class Trainer:
@@ -273,7 +287,8 @@ class Trainer:
             raise NonFiniteLossError(
                 f"step {self.step}: the weights are no longer finite after the update (too large --lr?); "
                 f"nothing saved, the newest checkpoint is {self.ckpt_path or 'none'}")
-        run_info = {"data": self.c.data, "data_digest": self.plan.data_digest}
+        run_info = {"data": self.c.data, "data_digest": self.plan.data_digest,
+                    "eval_data_digest": self.plan.eval_data_digest}
         self.ckpt_path = self.checkpoints.save(self.step, self.raw_model, self.optimizer, self.scheduler,
                                                self.batches, self.mems, self.tokenizer, run_info)
 
@@ -333,9 +348,9 @@ class Trainer:
             from tqdm import tqdm
 
             self.bar = tqdm(total=c.steps, initial=self.step, desc="pretrain", dynamic_ncols=True)
-        last_loss, preempted = float("nan"), False
+        last_loss, preempted, stop = float("nan"), False, _Preemption()
         try:
-            with _Preemption() as stop, self._bar_safe_logging():
+            with stop, self._bar_safe_logging():
                 while self.step < c.steps:
                     t_step = time.perf_counter()
                     last_loss, grad_norm = self._train_step()
@@ -348,7 +363,8 @@ class Trainer:
                         self._save()
                     if preempted:
                         if self.rank == 0:
-                            logger.warning("SIGTERM: saved %s at step %d, exiting", self.ckpt_path, self.step)
+                            logger.warning("%s: saved %s at step %d, exiting", stop.signal_name, self.ckpt_path,
+                                           self.step)
                         break
             self.checkpoints.wait()  # the last background save: written and sealed before the run ends
         finally:
@@ -358,6 +374,7 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.close()
         return {"step": self.step, "loss": last_loss, "checkpoint": self.ckpt_path, "preempted": preempted,
+                "stopped_by": stop.signal_name if preempted else None,
                 **self._session(time.perf_counter() - self.started)}
 
 

@@ -4,16 +4,20 @@ axis) and the tokens seen (top axis), the learning rate on a second y axis. Need
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 
-from .errors import UsageError
+from .errors import UsageError, naming_path
+from .outputs import check_output_file, ensure_parent
+from .run_dir import METRICS_NAME
 from .summary import read_metrics, smooth, smoothing_window
 
 logger = logging.getLogger(__name__)
 
 PLOT_NAME = "loss.png"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def have_matplotlib() -> bool:
@@ -44,7 +48,9 @@ def _draw(fig, train: list[dict], evals: list[dict], title: str) -> None:
     ax.set_ylabel("loss (cross-entropy, nats)")
     ax.grid(True, alpha=0.3)
     lr_ax = ax.twinx()
-    lr_ax.plot(steps, [r["lr"] for r in train], color="tab:gray", linestyle="--", linewidth=1.2, label="learning rate")
+    with_lr = [r for r in train if isinstance(r.get("lr"), (int, float))]  # a row may lack it (hand-made, older)
+    lr_ax.plot([r["step"] for r in with_lr], [r["lr"] for r in with_lr], color="tab:gray", linestyle="--",
+               linewidth=1.2, label="learning rate")
     lr_ax.set_ylabel("learning rate", color="tab:gray")
     lr_ax.tick_params(axis="y", colors="tab:gray")
     lr_ax.set_ylim(bottom=0)
@@ -78,6 +84,7 @@ def write_loss_plot(run_dir: str, out: str | None = None) -> str:
     returns the path. ``UsageError`` when matplotlib is missing or the run has no training rows."""
     if not have_matplotlib():
         raise UsageError("plotting needs matplotlib: pip install 'xlnet_fast[bench]'")
+    check_plot_out(run_dir, out)
     train, evals = read_metrics(run_dir)
     if not train:
         raise UsageError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no training rows to plot")
@@ -88,10 +95,31 @@ def write_loss_plot(run_dir: str, out: str | None = None) -> str:
     FigureCanvasAgg(fig)
     _draw(fig, train, evals, _title(run_dir, train, evals))
     out = out or os.path.join(run_dir, PLOT_NAME)
+    ensure_parent(out)
     tmp = f"{out}.tmp{os.getpid()}.png"
-    fig.savefig(tmp)
-    os.replace(tmp, out)
+    try:
+        with naming_path(out):
+            fig.savefig(tmp)
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     return out
+
+
+def _is_png(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == PNG_MAGIC
+    except OSError:
+        return False
+
+
+def check_plot_out(run_dir: str, out: str | None) -> None:
+    """``--out`` by the output rule (``outputs.check_output_file``): an existing file is replaced only
+    when it is a PNG image, never the run's metrics."""
+    if out is not None:
+        check_output_file(out, command="plot", inputs=[os.path.join(run_dir, METRICS_NAME)], replaceable=_is_png)
 
 
 def plot_at_end(run_dir: str) -> str:

@@ -14,11 +14,21 @@ A prepared directory::
     shard-00000.docs.bin  little-endian int64: the end (exclusive, within the shard) of every
                           document whose ``<eod>`` is in the shard
     tokenizer/            the tokenizer that encoded it (``XLNetTokenizer.from_pretrained``)
+    stat.json             size and modification time of every shard file when it was written or
+                          last verified (a shard whose size or time differs is hashed on open)
+    prepare.lock          held (``flock``) by the prepare writing the directory
 
 Shards hold at least ``shard_tokens`` tokens (the last one fewer) and end after a whole source line;
 the index records where in the sources each ends, so an interrupted prepare resumes after the last
 complete shard. A source whose content changed (sha256) invalidates the directory: it is prepared
 again, with a warning saying why. ``TokenShards`` memory-maps the shards as one token sequence.
+
+Prepared data is verified when it is opened: always the index (its keys), the tokenizer, every shard
+file's presence and size; the sha256 of the shards whose size or modification time differs from
+``stat.json`` (a shard changed since it was written, a copied directory), or of every shard when
+asked (``verify=True``, ``--verify-data``); and every id read against the vocabulary. Preparing a
+directory again checks it the same way, prepares a damaged shard and what follows again, and records
+the times of the shards it verified. Errors name the shard.
 """
 
 from __future__ import annotations
@@ -48,9 +58,10 @@ try:
 except ImportError:  # not POSIX: concurrent prepares of one directory are not serialised
     fcntl = None
 
-from .data import check_readable, combine_digests, corpus_digest, decode_line, file_digest, jsonl_record
-from .errors import UsageError
-from .tokenizer import EOD_ID, XLNetTokenizer
+from .data import check_readable, combine_digests, corpus_digest, decode_line, file_digest, is_jsonl, jsonl_record
+from .errors import UsageError, naming_path
+from .outputs import PREPARED_DIR, check_output_dir
+from .tokenizer import EOD_ID, SPIECE_NAME, TOKENIZER_FILES, XLNetTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +69,7 @@ FORMAT = "xlnet_fast.prepared/1"
 INDEX_NAME = "index.json"
 TOKENIZER_DIR = "tokenizer"
 LOCK_NAME = "prepare.lock"
+STAT_NAME = "stat.json"
 DEFAULT_SHARD_TOKENS = 1 << 24  # 32 MB per shard as uint16
 CHUNK_BYTES = 1 << 19  # source bytes per work item (lines are never split)
 UINT16_VOCAB_LIMIT = 1 << 16  # vocabularies up to this size store their ids as uint16
@@ -133,7 +145,7 @@ class _Chunk:
 
     @property
     def jsonl(self) -> bool:
-        return self.path.endswith(".jsonl")
+        return is_jsonl(self.path)
 
 
 @dataclasses.dataclass
@@ -314,11 +326,15 @@ def _sequence_source_end(end: _SourceEnd, state: Position) -> _Piece:
 
 def _write_json_atomic(path: str, obj: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with naming_path(path), open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 @dataclasses.dataclass
@@ -328,6 +344,7 @@ class _OpenShard:
     tokens: io.BufferedWriter
     docs: io.BufferedWriter
     digest: object
+    docs_digest: object
     documents: int = 0
 
     def files(self) -> tuple[io.BufferedWriter, io.BufferedWriter]:
@@ -339,8 +356,8 @@ class _ShardWriter:
     unit (source line); each shard is written to temporary files, renamed into place, then recorded
     in the index."""
 
-    def __init__(self, out_dir: str, index: dict) -> None:
-        self.out_dir, self.index = out_dir, index
+    def __init__(self, out_dir: str, index: dict, stats: dict) -> None:
+        self.out_dir, self.index, self.stats = out_dir, index, stats
         self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
         self.shard_tokens = int(index["shard_tokens"])
         self.closed_tokens = sum(s["tokens"] for s in index["shards"])
@@ -374,27 +391,36 @@ class _ShardWriter:
         if self._open is None:
             suffix = f".tmp{os.getpid()}"
             tokens_path, docs_path = self._paths()
-            self._open = _OpenShard(open(tokens_path + suffix, "wb"), open(docs_path + suffix, "wb"), hashlib.sha256())
+            self._open = _OpenShard(open(tokens_path + suffix, "wb"), open(docs_path + suffix, "wb"), hashlib.sha256(),
+                                    hashlib.sha256())
         shard = self._open
         data = piece.stream[lo:hi].astype(self.dtype).tobytes()
-        shard.tokens.write(data)
+        with naming_path(shard.tokens.name):
+            shard.tokens.write(data)
         shard.digest.update(data)
         ends = piece.doc_ends[(piece.doc_ends > lo) & (piece.doc_ends <= hi)]
-        shard.docs.write((ends - lo + self.filled).astype("<i8").tobytes())
+        docs = (ends - lo + self.filled).astype("<i8").tobytes()
+        with naming_path(shard.docs.name):
+            shard.docs.write(docs)
+        shard.docs_digest.update(docs)
         shard.documents += len(ends)
         self.filled += hi - lo
 
     def _close(self, end: Position) -> None:
         shard = self._open
         for f in shard.files():
-            f.flush()
-            os.fsync(f.fileno())
+            with naming_path(f.name):
+                f.flush()
+                os.fsync(f.fileno())
             f.close()
-            os.replace(f.name, f.name.rsplit(".tmp", 1)[0])
+            final = f.name.rsplit(".tmp", 1)[0]
+            os.replace(f.name, final)
+            self.stats[os.path.basename(final)] = _file_stat(final)
+        _write_json_atomic(os.path.join(self.out_dir, STAT_NAME), self.stats)
         tokens_path, _ = self._paths()
         self.index["shards"].append({"file": os.path.basename(tokens_path), "tokens": self.filled,
                                      "documents": shard.documents, "sha256": shard.digest.hexdigest(),
-                                     "end": end.to_json()})
+                                     "docs_sha256": shard.docs_digest.hexdigest(), "end": end.to_json()})
         self.closed_tokens += self.filled
         self.filled, self._open = 0, None
         _write_json_atomic(os.path.join(self.out_dir, INDEX_NAME), self.index)
@@ -453,6 +479,31 @@ def read_index(directory: str) -> dict | None:
     return index if isinstance(index, dict) and index.get("format") == FORMAT else None
 
 
+_INDEX_FIELDS = {"dtype": str, "vocab_size": int, "tokenizer_sha256": str, "corpus_sha256": str, "sources": list,
+                 "shard_tokens": int, "shards": list, "source_end_tokens": list, "complete": bool}
+_COMPLETE_FIELDS = {"num_tokens": int, "num_documents": int}
+_SHARD_FIELDS = {"tokens": int, "documents": int, "sha256": str, "end": dict}
+
+
+def index_problem(index: dict) -> str | None:
+    """What is missing or wrong in an index (``read_index``'s), None when nothing is."""
+    def wrong(record: dict, fields: dict, where: str) -> str | None:
+        for key, kind in fields.items():
+            value = record.get(key) if isinstance(record, dict) else None
+            if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+                return f"{where}'{key}' is missing or not a{'n' if kind in (int, list) else ''} {kind.__name__}"
+        return None
+
+    problem = wrong(index, _INDEX_FIELDS, "")
+    if problem is None and index["complete"]:
+        problem = wrong(index, _COMPLETE_FIELDS, "")
+    if problem is None and index["dtype"] not in ("uint16", "int32"):
+        problem = f"'dtype' {index['dtype']!r} is neither uint16 nor int32"
+    for i, shard in enumerate(index.get("shards") or []):
+        problem = problem or wrong(shard, _SHARD_FIELDS, f"shard {i}: ")
+    return problem
+
+
 def _why_not_reusable(old: dict, new: dict) -> str | None:
     """Why an existing index cannot be continued for ``new``'s sources and settings (None: it can)."""
     old_sources, new_sources = old.get("sources", []), new["sources"]
@@ -470,20 +521,82 @@ def _why_not_reusable(old: dict, new: dict) -> str | None:
     return None
 
 
-def _shard_ok(directory: str, i: int, shard: dict, itemsize: int) -> bool:
-    tokens = os.path.join(directory, shard_name(i))
-    docs = os.path.join(directory, docs_name(i))
-    return (os.path.isfile(tokens) and os.path.getsize(tokens) == shard["tokens"] * itemsize
-            and os.path.isfile(docs) and os.path.getsize(docs) == shard["documents"] * 8)
+def _file_stat(path: str) -> list[int]:
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
 
 
-def _continue_index(directory: str, old: dict, new: dict) -> dict:
-    """``old``'s shards up to the first one missing or of the wrong size; the rest is prepared again."""
+def read_stats(directory: str) -> dict:
+    """``stat.json``: shard file name -> ``[size, mtime_ns]`` when it was written or last verified."""
+    try:
+        with open(os.path.join(directory, STAT_NAME), encoding="utf-8") as f:
+            stats = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
+_hashed: set[tuple] = set()  # (path, size, mtime_ns, sha256) of the shard files this process hashed and found right
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _shard_problem(directory: str, i: int, shard: dict, itemsize: int, stats: dict, hash_all: bool) -> str | None:
+    """Why shard ``i`` cannot be used (``None``: it can): a file missing or of the wrong size; with
+    ``hash_all``, or when a file's size or time differs from ``stats``, a sha256 that is not the index's."""
+    files = ((shard_name(i), shard["tokens"] * itemsize, shard.get("sha256")),
+             (docs_name(i), shard["documents"] * 8, shard.get("docs_sha256")))
+    for name, size, _ in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            return f"{name} is missing or truncated"
+    for name, _, expected in files:
+        path = os.path.join(directory, name)
+        stat = _file_stat(path)
+        key = (os.path.realpath(path), *stat, expected)
+        if expected is None or key in _hashed or (not hash_all and stats.get(name) == stat):
+            continue
+        if _file_sha256(path) != expected:
+            return f"{name} does not match its sha256 in {INDEX_NAME} (changed since it was prepared)"
+        _hashed.add(key)
+    return None
+
+
+def _hash_note(directory: str, shards: list, stats: dict, hash_all: bool) -> None:
+    """Say (once per open) that shards are hashed, and why."""
+    if hash_all:
+        logger.info("%s: verifying the sha256 of its %d shard(s)", directory, len(shards))
+        return
+    changed = [shard_name(i) for i in range(len(shards))
+               if os.path.isfile(os.path.join(directory, shard_name(i)))
+               and stats.get(shard_name(i)) != _file_stat(os.path.join(directory, shard_name(i)))]
+    if changed:
+        logger.info("%s: verifying the sha256 of %d shard(s) whose size or modification time is not the one "
+                    "recorded in %s (%s%s; copied, or prepared by an earlier version?)", directory, len(changed),
+                    STAT_NAME, ", ".join(changed[:3]), ", ..." if len(changed) > 3 else "")
+
+
+def _continue_index(directory: str, old: dict, new: dict, verify: bool) -> dict:
+    """``old``'s shards up to the first one missing, of the wrong size or (hashed when its time
+    changed, or all with ``verify``) of the wrong sha256; the rest is prepared again."""
     itemsize = np.dtype(new["dtype"]).itemsize
     shards = old["shards"]
-    good = next((i for i, s in enumerate(shards) if not _shard_ok(directory, i, s, itemsize)), len(shards))
-    if good < len(shards):
-        logger.warning("%s: %s is missing or truncated: preparing again from there", directory, shard_name(good))
+    stats = read_stats(directory)
+    _hash_note(directory, shards, stats, hash_all=verify)
+    good, problem = len(shards), None
+    for i, shard in enumerate(shards):
+        problem = _shard_problem(directory, i, shard, itemsize, stats, hash_all=verify)
+        if problem is not None:
+            good = i
+            break
+    if problem is not None:
+        logger.warning("%s: %s: preparing again from there", directory, problem)
     index = dict(new, shards=shards[:good])
     end = Position.from_json(shards[good - 1]["end"]) if good else Position()
     index["source_end_tokens"] = old.get("source_end_tokens", [])[:end.source]
@@ -494,19 +607,20 @@ def _continue_index(directory: str, old: dict, new: dict) -> dict:
     return index
 
 
-def _start_index(directory: str, new: dict) -> dict:
+def _start_index(directory: str, new: dict, verify: bool = False) -> dict:
     """The index to continue: the existing one if it matches ``new``'s sources and settings, else
     ``new`` (saying why the existing one is discarded)."""
     old = read_index(directory)
-    if old is None:
+    problem = index_problem(old) if old is not None else "unreadable"
+    if problem is not None:
         if os.path.exists(os.path.join(directory, INDEX_NAME)):
-            logger.warning("%s: unreadable %s: preparing from the start", directory, INDEX_NAME)
+            logger.warning("%s: %s %s: preparing from the start", directory, INDEX_NAME, problem)
         return new
     reason = _why_not_reusable(old, new)
     if reason is not None:
         logger.warning("%s holds prepared data that is out of date (%s): preparing it again", directory, reason)
         return new
-    return _continue_index(directory, old, new)
+    return _continue_index(directory, old, new, verify)
 
 
 def _remove_stale_files(directory: str, keep_shards: int) -> None:
@@ -515,7 +629,7 @@ def _remove_stale_files(directory: str, keep_shards: int) -> None:
         m = _SHARD_FILE.fullmatch(name)
         if m and (int(m.group(1)) >= keep_shards or ".tmp" in name):
             os.remove(os.path.join(directory, name))
-        elif name.startswith(INDEX_NAME + ".tmp"):
+        elif name.startswith(INDEX_NAME + ".tmp") or name.startswith(STAT_NAME + ".tmp"):
             os.remove(os.path.join(directory, name))
 
 
@@ -527,9 +641,13 @@ def _save_tokenizer(directory: str, tokenizer: XLNetTokenizer, digest: str) -> N
             return
     tmp = f"{final}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    try:
+        with naming_path(tmp):
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # only prepare's own files (outputs.check_output_dir)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -555,19 +673,27 @@ def _directory_lock(directory: str) -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_arguments(paths: list[str], out_dir: str, workers: int, shard_tokens: int, chunk_bytes: int) -> None:
+def owned_by_prepare(name: str, is_dir: bool) -> bool:
+    """Whether ``prepare_corpus`` writes the entry ``name`` (a path relative to its output directory)."""
+    parts = name.split(os.sep)
+    if parts[0] == TOKENIZER_DIR or re.fullmatch(rf"{TOKENIZER_DIR}\.tmp\d+", parts[0]):
+        return is_dir if len(parts) == 1 else (len(parts) == 2 and not is_dir and parts[1] in TOKENIZER_FILES)
+    if is_dir or len(parts) > 1:
+        return False
+    return bool(_SHARD_FILE.fullmatch(name)) or name in (INDEX_NAME, STAT_NAME, LOCK_NAME) or bool(
+        re.fullmatch(rf"({re.escape(INDEX_NAME)}|{re.escape(STAT_NAME)})\.tmp\d+", name))
+
+
+def _check_arguments(paths: list[str], tokenizer: XLNetTokenizer, out_dir: str, workers: int, shard_tokens: int,
+                     chunk_bytes: int) -> None:
     for name, value in (("workers", workers), ("shard_tokens", shard_tokens), ("chunk_bytes", chunk_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UsageError(f"{name} must be a positive integer, got {value!r}")
     if not paths:
         raise UsageError("no source files given")
     check_readable(paths)
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UsageError(f"{out_dir} is a file, not a directory")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create {out_dir} ({exc.strerror or exc})") from None
+    check_output_dir(out_dir, command="data prepare", inputs=[*paths, tokenizer.model_file], kind=PREPARED_DIR,
+                     owned=owned_by_prepare)
 
 
 class _Progress:
@@ -629,36 +755,69 @@ def _run(paths: list[str], tokenizer: XLNetTokenizer, writer: _ShardWriter, star
 
 def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: XLNetTokenizer, out_dir: str | os.PathLike, *,
                    workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = False,
-                   chunk_bytes: int = CHUNK_BYTES) -> "TokenShards":
+                   chunk_bytes: int = CHUNK_BYTES, verify: bool = False) -> "TokenShards":
     """Encode ``paths`` with ``tokenizer`` into ``out_dir`` (see the module docstring) using ``workers``
     processes (default: the usable cores); continues an interrupted prepare, re-prepares out-of-date
-    data and returns at once when ``out_dir`` is already prepared from these contents."""
+    data and returns at once when ``out_dir`` is already prepared from these contents. The shards kept
+    from an earlier prepare are checked as ``TokenShards`` checks them (``verify``: every one hashed);
+    a bad one is prepared again, with what follows it."""
     paths = [os.path.abspath(os.fspath(p)) for p in paths]
     out_dir = os.fspath(out_dir)
     workers = default_workers() if workers is None else workers
-    _check_arguments(paths, out_dir, workers, shard_tokens, chunk_bytes)
-    with _directory_lock(out_dir):
-        tok_digest = tokenizer_digest(tokenizer)
-        new = _fresh_index(paths, [file_digest(p) for p in paths], tokenizer, tok_digest, shard_tokens)
-        index = _start_index(out_dir, new)
-        _save_tokenizer(out_dir, tokenizer, tok_digest)
-        if index["complete"]:
-            return TokenShards(out_dir)
-        _remove_stale_files(out_dir, len(index["shards"]))
-        _write_json_atomic(os.path.join(out_dir, INDEX_NAME), index)
-        start = Position.from_json(index["shards"][-1]["end"]) if index["shards"] else Position()
-        if index["shards"]:
-            logger.info("%s: resuming after %d complete shard(s)", out_dir, len(index["shards"]))
-        writer = _ShardWriter(out_dir, index)
+    _check_arguments(paths, tokenizer, out_dir, workers, shard_tokens, chunk_bytes)
+    os.makedirs(out_dir, exist_ok=True)
+    with naming_path(out_dir), _directory_lock(out_dir):
         try:
-            end = _run(paths, tokenizer, writer, start, workers, chunk_bytes, progress)
-            if writer.stream_tokens() == 0:
-                raise UsageError(f"no text found in {paths}")
-            writer.finish(end)
-        except BaseException:
-            writer.discard()
+            _prepare_locked(paths, tokenizer, out_dir, workers, shard_tokens, chunk_bytes, progress, verify)
+        except UsageError:  # bad input: what was prepared is of no use, remove it (the lock file stays:
+            _remove_own_files(out_dir)  # another prepare may be waiting on it)
             raise
     return TokenShards(out_dir)
+
+
+def _prepare_locked(paths: list[str], tokenizer: XLNetTokenizer, out_dir: str, workers: int, shard_tokens: int,
+                    chunk_bytes: int, progress: bool, verify: bool) -> None:
+    """``prepare_corpus``'s work, holding the directory's lock."""
+    tok_digest = tokenizer_digest(tokenizer)
+    new = _fresh_index(paths, [file_digest(p) for p in paths], tokenizer, tok_digest, shard_tokens)
+    index = _start_index(out_dir, new, verify)
+    _save_tokenizer(out_dir, tokenizer, tok_digest)
+    stats = _kept_stats(out_dir, index)
+    if stats != read_stats(out_dir):  # the times of the shards verified now (e.g. of a copied directory)
+        _write_json_atomic(os.path.join(out_dir, STAT_NAME), stats)
+    if index["complete"]:
+        return
+    _remove_stale_files(out_dir, len(index["shards"]))
+    _write_json_atomic(os.path.join(out_dir, INDEX_NAME), index)
+    start = Position.from_json(index["shards"][-1]["end"]) if index["shards"] else Position()
+    if index["shards"]:
+        logger.info("%s: resuming after %d complete shard(s)", out_dir, len(index["shards"]))
+    writer = _ShardWriter(out_dir, index, stats)
+    try:
+        end = _run(paths, tokenizer, writer, start, workers, chunk_bytes, progress)
+        if writer.stream_tokens() == 0:
+            raise UsageError(f"no text found in {paths}")
+        writer.finish(end)
+    except BaseException:  # interrupted or a full disk: the complete shards stay for a resume, and the
+        writer.discard()   # index says the preparation did not finish (nothing takes it as data)
+        raise
+
+
+def _kept_stats(directory: str, index: dict) -> dict:
+    """``stat.json``'s entries for the shards the index keeps, as the files are now (``_start_index``
+    verified them)."""
+    names = [n for i in range(len(index["shards"])) for n in (shard_name(i), docs_name(i))]
+    return {n: _file_stat(os.path.join(directory, n)) for n in names}
+
+
+def _remove_own_files(directory: str) -> None:
+    """Delete everything ``prepare_corpus`` wrote in ``directory`` but its lock (held until the end)."""
+    for entry in os.scandir(directory):
+        if entry.name != LOCK_NAME and owned_by_prepare(entry.name, entry.is_dir(follow_symlinks=False)):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.remove(entry.path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -671,20 +830,28 @@ def is_prepared_dir(path: str | os.PathLike) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX_NAME))
 
 
-def prepared_directory(paths: Iterable[str | os.PathLike]) -> str | None:
+def prepared_directory(paths: Iterable[str | os.PathLike], flag: str = "--data") -> str | None:
     """The directory when ``paths`` is one prepared directory, None when it names no directory;
-    ``UsageError`` for a directory that is not prepared data or one mixed with other paths."""
+    ``UsageError`` (naming ``flag``) for a directory that is not prepared data or one mixed with other
+    paths."""
     paths = [os.fspath(p) for p in paths]
     dirs = [p for p in paths if os.path.isdir(p)]
     if not dirs:
         return None
     if not is_prepared_dir(dirs[0]):
-        raise UsageError(f"--data {dirs[0]} is a directory without {INDEX_NAME}, not prepared data: prepare it "
+        raise UsageError(f"{flag} {dirs[0]} is a directory without {INDEX_NAME}, not prepared data: prepare it "
                          "with `xlnet-fast data prepare FILE... --out DIR` or pass the text files")
     if len(paths) > 1:
-        raise UsageError(f"--data takes text files or one prepared directory, got {len(dirs)} "
+        raise UsageError(f"{flag} takes text files or one prepared directory, got {len(dirs)} "
                          f"director{'y' if len(dirs) == 1 else 'ies'} among {len(paths)} paths")
     return dirs[0]
+
+
+def data_digest(paths: list[str], flag: str = "--data") -> str:
+    """The content digest of text files (``corpus_digest``) or of a prepared directory (the digest of
+    the files it was prepared from, from its index)."""
+    directory = prepared_directory(paths, flag)
+    return TokenShards(directory).corpus_sha256 if directory is not None else corpus_digest(paths)
 
 
 MIN_BYTES_PER_WORKER = 8 * CHUNK_BYTES  # a smaller corpus is not worth another process
@@ -698,10 +865,11 @@ def workers_for(paths: Iterable[str | os.PathLike]) -> int:
 
 
 def prepared_tokens(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str, rank: int = 0, world: int = 1,
-                    progress: bool = False, digest: str | None = None) -> "TokenShards":
+                    progress: bool = False, digest: str | None = None, verify: bool = False) -> "TokenShards":
     """The tokens of ``paths``: a prepared directory as it is, or text files prepared (by rank 0; the
     others wait, and rank 0's error reaches them) into ``cache_dir/prepared``, keyed by the text's
-    content (``digest``: its ``corpus_digest`` when the caller has it) and the tokenizer's."""
+    content (``digest``: its ``corpus_digest`` when the caller has it) and the tokenizer's.
+    ``verify``: hash every shard on opening."""
     from .distributed import from_rank0
 
     directory = prepared_directory(paths)
@@ -717,7 +885,7 @@ def prepared_tokens(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str,
             prepare_corpus(paths, tokenizer, directory, workers=workers_for(paths), progress=progress)
 
         from_rank0(prepare, rank, world)
-    return TokenShards(directory)
+    return TokenShards(directory, verify=verify)
 
 
 class TokenShards:
@@ -727,25 +895,39 @@ class TokenShards:
     ids in the shards' dtype (uint16 or int32), like indexing one ``np.memmap`` of the whole stream.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, verify: bool = False) -> None:
+        """Open and check a prepared directory (the module's docstring says what is checked; ``verify``:
+        hash every shard). A problem is a ``UsageError`` naming the file."""
         self.directory = os.fspath(directory)
         index = read_index(self.directory)
+        again = "prepare it again (`xlnet-fast data prepare` with the same files)"
         if index is None:
             raise UsageError(f"{self.directory} is not prepared data (no readable {INDEX_NAME}): prepare it "
                              "with `xlnet-fast data prepare`")
         if not index.get("complete"):
             raise UsageError(f"{self.directory}: its preparation did not finish: run `xlnet-fast data prepare` "
                              "again with the same files to resume it")
+        problem = index_problem(index)
+        if problem is not None:
+            raise UsageError(f"{os.path.join(self.directory, INDEX_NAME)}: {problem}: {again}")
+        if not os.path.isfile(os.path.join(self.directory, TOKENIZER_DIR, SPIECE_NAME)):
+            raise UsageError(f"{os.path.join(self.directory, TOKENIZER_DIR, SPIECE_NAME)} is missing (the tokenizer "
+                             f"that encoded the data): {again}")
         self.index = index
         self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
+        stats = read_stats(self.directory)
+        _hash_note(self.directory, index["shards"], stats, hash_all=verify)
         self._maps = []
         for i, shard in enumerate(index["shards"]):
-            if not _shard_ok(self.directory, i, shard, self.dtype.itemsize):
-                raise UsageError(f"{self.directory}: {shard_name(i)} is missing or truncated: prepare it again")
+            problem = _shard_problem(self.directory, i, shard, self.dtype.itemsize, stats, hash_all=verify)
+            if problem is not None:
+                raise UsageError(f"{self.directory}: {problem}: {again}")
             self._maps.append(np.memmap(os.path.join(self.directory, shard_name(i)), dtype=self.dtype, mode="r",
                                         shape=(shard["tokens"],)))
         self._starts = np.cumsum([0] + [s["tokens"] for s in index["shards"]])
         self._len = int(self._starts[-1])
+        # ids are checked against the vocabulary as they are read (a uint16 id is always below 65536)
+        self._id_limit = None if self.dtype.itemsize == 2 and self.vocab_size >= UINT16_VOCAB_LIMIT else self.vocab_size
 
     @property
     def vocab_size(self) -> int:
@@ -794,12 +976,26 @@ class TokenShards:
         if isinstance(key, slice):
             start, stop, step = key.indices(self._len)
             if step == 1:
-                return self._range(start, max(start, stop))
+                stop = max(start, stop)
+                return self._checked(self._range(start, stop), lambda k: start + k)
             key = np.arange(start, stop, step)
         idx = np.asarray(key)
         if idx.ndim == 0:
             return self._gather(idx.reshape(1))[0]
         return self._gather(idx)
+
+    def _checked(self, ids: np.ndarray, position) -> np.ndarray:
+        """``ids`` as read, or a ``UsageError`` naming the shard holding one past the vocabulary
+        (``position(k)``: the stream position of ``ids.flat[k]``)."""
+        if self._id_limit is None or ids.size == 0 or int(ids.max()) < self._id_limit:
+            return ids
+        k = int(np.argmax(ids.reshape(-1) >= self._id_limit))
+        where = int(position(k))
+        shard = int(np.searchsorted(self._starts, where, side="right")) - 1
+        raise UsageError(f"{os.path.join(self.directory, shard_name(shard))}: token id {int(ids.reshape(-1)[k])} at "
+                         f"position {where - int(self._starts[shard])} is outside the vocabulary of "
+                         f"{self.vocab_size} (the shard is damaged): prepare it again (`xlnet-fast data prepare` "
+                         "with the same files)")
 
     def _range(self, start: int, stop: int) -> np.ndarray:
         first = int(np.searchsorted(self._starts, start, side="right")) - 1
@@ -820,10 +1016,10 @@ class TokenShards:
         if idx.size and (idx.min() < 0 or idx.max() >= self._len):
             raise IndexError(f"index out of range for {self._len} tokens")
         if len(self._maps) == 1:
-            return self._maps[0][idx]
+            return self._checked(self._maps[0][idx], lambda k: idx.reshape(-1)[k])
         shard = np.searchsorted(self._starts, idx, side="right") - 1
         out = np.empty(idx.shape, dtype=self.dtype)
         for s in np.unique(shard):
             sel = shard == s
             out[sel] = self._maps[s][idx[sel] - self._starts[s]]
-        return out
+        return self._checked(out, lambda k: idx.reshape(-1)[k])

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -23,7 +24,8 @@ from .checkpoint import (checkpoint_root, hash_file, is_sharded, list_checkpoint
                          write_synced)
 from .data import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
-from .prepare import TOKENIZER_DIR, TokenShards, prepared_directory, tokenizer_digest
+from .outputs import RUN_DIR, check_output_dir
+from .prepare import TOKENIZER_DIR, TokenShards, data_digest, prepared_directory, tokenizer_digest
 from .evaluate import check_eval_files
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
@@ -175,6 +177,7 @@ class RunPlan:
     start_step: int
     data_digest: str
     notes: list[str]  # settings changed on resume
+    eval_data_digest: str | None = None  # content digest of --eval-data (eval checks it is unchanged)
 
 
 def cache_root(c: TrainConfig) -> str:
@@ -303,7 +306,7 @@ def _check_data(c: TrainConfig, record: dict | None) -> str:
     try:
         directory = prepared_directory(c.data)
         if directory is not None:
-            digest = TokenShards(directory).corpus_sha256  # complete, every shard in place
+            digest = TokenShards(directory, verify=c.verify_data).corpus_sha256  # complete, every shard checked
             _check_same_data(c, record, digest)
             return digest
         check_readable(c.data)
@@ -338,12 +341,18 @@ def _check_data_tokenizer(c: TrainConfig, start: _Start) -> None:
                          ": leave --tokenizer out to use it"))
 
 
+_OWN_CHECKPOINT_ENTRY = re.compile(r"step_\d+(\.tmp|\.unreadable)?")  # what a run writes in out/checkpoints
+
+
 def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
-    """After every check passed: clear the directory for a fresh run, or set aside the unreadable
-    checkpoints newer than the resumed one and drop the metrics rows after it."""
+    """After every check passed: clear the directory for a fresh run (the run's own entries only),
+    or set aside the unreadable checkpoints newer than the resumed one and drop the metrics rows after
+    it."""
     root = checkpoint_root(c)
     if c.overwrite and start.existing:
-        shutil.rmtree(root)
+        for name in os.listdir(root):
+            if _OWN_CHECKPOINT_ENTRY.fullmatch(name):
+                shutil.rmtree(os.path.join(root, name))
         logger.warning("--overwrite: deleted %d checkpoint(s) in %s", len(start.existing), root)
     os.makedirs(root, exist_ok=True)
     for path in start.unreadable_newer:
@@ -352,7 +361,7 @@ def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
         os.replace(path, aside)
         logger.warning("set the unreadable checkpoint %s aside as %s", path, aside)
     for name in os.listdir(root):
-        if name.endswith(".tmp"):
+        if name.endswith(".tmp") and _OWN_CHECKPOINT_ENTRY.fullmatch(name):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     metrics = os.path.join(c.out, METRICS_NAME)
     if start.path is None:
@@ -365,12 +374,14 @@ def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
 def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     """Take the run directory, pick the checkpoint, settle and check every setting and the data; only
     then tidy the directory. Any problem is a ``UsageError`` and leaves the directory as it was."""
+    _check_out(cfg.out, cfg.data, cfg)
     _make_out_dir(cfg.out)
     lock.acquire()
     start = _find_start(cfg)
     record = start.record
     c = cfg.resolved(record["settings"] if record else None)
     c.data = _data_paths(cfg, record)
+    _check_out(c.out, c.data, c)  # with the checkpoint's data on resume
     check_settings(c)
     check_layout(c, world)
     notes = _compare_with_checkpoint(cfg, c, record, world) if record else []
@@ -378,10 +389,38 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     _check_tokenizer(c, start)
     digest = _check_data(c, record)
     _check_data_tokenizer(c, start)
+    _check_vocab_size(cfg, c, start)
+    eval_digest = None
     if c.eval_data:
         check_eval_files(c.eval_data)
+        eval_digest = data_digest(c.eval_data, "--eval-data")
     _tidy_run_dir(c, start)
-    return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes)
+    return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes,
+                   eval_data_digest=eval_digest)
+
+
+def _check_out(out: str, data, c: TrainConfig) -> None:
+    """``--out`` by the output rule (``outputs``): never an input, inside one or around one, never
+    inside another run, a checkpoint or prepared data."""
+    data = [data] if isinstance(data, (str, os.PathLike)) else (data or [])
+    check_output_dir(out, command="pretrain", inputs=[*data, *(c.eval_data or []), c.tokenizer], kind=RUN_DIR)
+
+
+def _check_vocab_size(cfg: TrainConfig, c: TrainConfig, start: _Start) -> None:
+    """``--vocab-size`` sizes a tokenizer trained on the data: with a tokenizer given (``--tokenizer``,
+    or prepared data's own) another value is an error, not ignored."""
+    if start.path is not None or cfg.vocab_size is None:
+        return  # on resume the checkpoint's value is compared with it (FIXED_SETTINGS)
+    directory = prepared_directory(c.data)
+    if c.tokenizer:
+        source, pieces = f"--tokenizer {c.tokenizer}", XLNetTokenizer.from_pretrained(c.tokenizer).vocab_size
+    elif directory is not None:
+        source, pieces = f"the prepared --data {directory}", TokenShards(directory).vocab_size
+    else:
+        return
+    if pieces != cfg.vocab_size:
+        raise UsageError(f"--vocab-size {cfg.vocab_size}: the tokenizer of {source} has {pieces} pieces (--vocab-size "
+                         "sizes a tokenizer trained on text data): leave --vocab-size out")
 
 
 # --------------------------------------------------------------------------------------------------

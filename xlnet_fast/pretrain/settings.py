@@ -92,6 +92,7 @@ class TrainConfig:
     eval_batches: int | None = None  # batches of the global batch's rows per evaluation
     hold_out: bool | None = None  # the training tokens' tail is held out (fixed at the run's start)
     peak_tflops: float | None = None  # one device's dense bf16 peak for MFU (default: by device name)
+    verify_data: bool = False  # hash every shard of prepared data on opening (else only those changed since)
 
     def __post_init__(self) -> None:
         if isinstance(self.eval_data, (str, os.PathLike)):
@@ -118,8 +119,11 @@ class TrainConfig:
         return c
 
 
-def _integer(low: int) -> Callable[[object], bool]:
-    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= low
+MAX_SEED = 2**63 - 1  # torch seeds with seed + 1 + rank, which must stay below 2**64
+
+
+def _integer(low: int, high: float = math.inf) -> Callable[[object], bool]:
+    return lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and low <= v <= high
 
 
 def _real(low: float, inclusive: bool, high: float = math.inf) -> Callable[[object], bool]:
@@ -155,6 +159,7 @@ _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
     "backend": (lambda v: v in BACKENDS, ", ".join(map(repr, BACKENDS[:-1])) + f" or {BACKENDS[-1]!r}"),
     "bi_data": (lambda v: isinstance(v, bool), "True or False"),
     "fsdp": (lambda v: isinstance(v, bool), "True or False"),
+    "seed": (_integer(0, MAX_SEED), "an integer in [0, 2**63 - 1]"),
     "eval_every": (_integer(0), "0 (at the end only) or a positive integer"),
     "eval_batches": (_integer(1), "a positive integer"),
     "peak_tflops": (lambda v: v is None or _real(0, inclusive=False)(v), "a positive number"),

@@ -30,11 +30,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, around each rank's error
 
 from .checkpoint import (MODEL_KEY, RUN_RECORD_NAME, dcp_load, dcp_metadata, empty_entries,
                          hash_file, publish, read_run_record, run_record, seal, step_dir)
 from .distributed import barrier
-from .errors import CheckpointError
+from .errors import CheckpointError, underlying_os_error
 from .settings import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -127,26 +128,40 @@ class CheckpointWriter:
         self.wait()
         final = step_dir(self.c, step)
         tmp = final + ".tmp"
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+                raw_model.config.architectures = [type(raw_model).__name__]
+                raw_model.config.save_pretrained(tmp)
+                tokenizer.save_pretrained(tmp)
+                record = run_record(self.c, step, self.world, run_info, scheduler.state_dict())
+                path = os.path.join(tmp, RUN_RECORD_NAME)
+                with open(path, "w") as f:
+                    try:
+                        json.dump(record, f, indent=1)
+                    except OSError as exc:  # write() names no file
+                        raise OSError(exc.errno, exc.strerror, path) from None
+            barrier(self.world)
+            state = training_state(raw_model, optimizer, batches, mems, self.rank)
+            writer = _filesystem_writer(tmp)
+            if self._executor is None:
+                dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
+                self._finish(None, step, tmp, final)
+            else:
+                upload = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                        async_stager=self._stager, no_dist=self.group is None)
+                self._pending = (self._executor.submit(self._finish, upload, step, tmp, final), final)
+        except (Exception, CheckpointException) as exc:
+            self._discard(tmp)
+            raise _save_failure(exc, tmp) from None
+        return final
+
+    def _discard(self, tmp: str) -> None:
+        """After a failed save: rank 0 removes the unfinished ``step_N.tmp`` (the previous checkpoint
+        stays the newest)."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            raw_model.config.architectures = [type(raw_model).__name__]
-            raw_model.config.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            record = run_record(self.c, step, self.world, run_info, scheduler.state_dict())
-            with open(os.path.join(tmp, RUN_RECORD_NAME), "w") as f:
-                json.dump(record, f, indent=1)
-        barrier(self.world)
-        state = training_state(raw_model, optimizer, batches, mems, self.rank)
-        writer = _filesystem_writer(tmp)
-        if self._executor is None:
-            dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=self.group is None)
-            self._finish(None, step, tmp, final)
-        else:
-            upload = dcp.async_save(state, storage_writer=writer, process_group=self.group, async_stager=self._stager,
-                                    no_dist=self.group is None)
-            self._pending = (self._executor.submit(self._finish, upload, step, tmp, final), final)
-        return final
 
     def wait(self) -> None:
         """Wait for the background save, if any; its failure is raised here."""
@@ -156,8 +171,9 @@ class CheckpointWriter:
         self._pending = None
         try:
             future.result()
-        except Exception as exc:
-            raise RuntimeError(f"the asynchronous save of {final} failed: {type(exc).__name__}: {exc}") from exc
+        except (Exception, CheckpointException) as exc:  # the command line reports the OSError behind it
+            raise RuntimeError(f"the asynchronous save of {final} failed: {type(exc).__name__}: "
+                               f"{_save_failure(exc, final + '.tmp')}") from exc
 
     def close(self) -> None:
         """On the way out after an error: wait for the background save, logging (not raising) its
@@ -184,14 +200,23 @@ class CheckpointWriter:
                 upload.result()  # the background DCP write
             return {n: hash_file(os.path.join(tmp, n), sync=True) for n in os.listdir(tmp) if own.fullmatch(n)}
 
-        files = self._exchange(hash_own_shards)
-        if self.rank == 0:
-            outcome = _capture(lambda: self._seal_and_publish(step, tmp, final, files))
-        else:
-            outcome = None
-        outcome = self._broadcast(outcome)
-        if outcome is not None:
-            raise RuntimeError(f"rank 0 could not seal {tmp}: {outcome}")
+        try:
+            files = self._exchange(hash_own_shards)
+            error = None
+            if self.rank == 0:
+                try:
+                    self._seal_and_publish(step, tmp, final, files)
+                except Exception as exc:
+                    error = exc
+            outcome = self._broadcast(None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:
+                raise error
+            if outcome is not None:
+                raise RuntimeError(f"rank 0 could not seal {tmp}: {outcome}")
+        except (Exception, CheckpointException):
+            if upload is not None:  # the synchronous save discards it in save()
+                self._discard(tmp)
+            raise
 
     def _seal_and_publish(self, step: int, tmp: str, final: str, shard_hashes: dict) -> None:
         others = re.compile(r"__\d+_\d+\.distcp")
@@ -203,13 +228,20 @@ class CheckpointWriter:
         publish(self.c, tmp, final)
 
     def _exchange(self, fn) -> dict:
-        """``fn()`` on every rank, merged (dicts) on every rank; any rank's error raised on all."""
-        mine = _capture(fn, value=True)
+        """``fn()`` on every rank, merged (dicts) on every rank; any rank's error raised on all (this
+        rank's own as it is)."""
+        own_error = None
+        try:
+            mine = (True, fn())
+        except (Exception, CheckpointException) as exc:
+            own_error, mine = exc, (False, f"{type(exc).__name__}: {exc}")
         if self.group is None:
             results = [mine]
         else:
             results = [None] * self.world
             dist.all_gather_object(results, mine, group=self.group)
+        if own_error is not None:
+            raise own_error
         errors = [f"rank {r}: {err}" for r, (ok, err) in enumerate(results) if not ok]
         if errors:
             raise RuntimeError("; ".join(errors))
@@ -226,15 +258,13 @@ class CheckpointWriter:
         return box[0]
 
 
-def _capture(fn, value: bool = False):
-    """``fn()``'s error as text (None when it succeeded); with ``value``: ``(True, result)`` or
-    ``(False, error text)``."""
-    try:
-        result = fn()
-    except Exception as exc:
-        text = f"{type(exc).__name__}: {exc}"
-        return (False, text) if value else text
-    return (True, result) if value else None
+def _save_failure(exc: BaseException, tmp: str) -> BaseException:
+    """What a failed save raises: the ``OSError`` behind it (a full disk: one line naming the file,
+    ``step_N.tmp`` when the error names none), else the error itself."""
+    cause = underlying_os_error(exc)
+    if cause is None:
+        return exc if isinstance(exc, Exception) else RuntimeError(f"saving {tmp} failed: {exc}")
+    return OSError(cause.errno, cause.strerror or str(cause), cause.filename or tmp)
 
 
 def _host_stager():

@@ -28,11 +28,15 @@ def read_metrics(run_dir: str) -> tuple[list[dict], list[dict]]:
         except ValueError:
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int):
-            if "eval_loss" in row:
+            if _is_number(row.get("eval_loss")):
                 evals.append(row)
-            elif "loss" in row:
+            elif _is_number(row.get("loss")):
                 train.append(row)
     return train, evals
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def smoothing_window(n: int) -> int:
@@ -112,7 +116,7 @@ def format_summary(result: dict) -> str:
     them. ``result``: what ``pretrain`` returns."""
     train, evals = read_metrics(result["out"])
     session = result.get("session") or {}
-    ended = "stopped by SIGTERM" if result.get("preempted") else "finished"
+    ended = f"stopped by {result.get('stopped_by') or 'SIGTERM'}" if result.get("preempted") else "finished"
     head = (f"pretrain {ended} at step {result['step']} of {result['steps']}: "
             f"{result['step'] * result['tokens_per_step']:,} tokens seen ({result['tokens_per_step']:,} per step); "
             f"this session {session.get('steps', 0)} steps in {_duration(session.get('wall_s', 0.0))}")

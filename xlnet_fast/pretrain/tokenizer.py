@@ -30,6 +30,7 @@ SEG_A, SEG_B, SEG_CLS, SEG_PAD = 0, 1, 2, 3
 SPIECE_NAME = "spiece.model"
 TOKENIZER_JSON_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+TOKENIZER_FILES = (SPIECE_NAME, TOKENIZER_JSON_NAME, TOKENIZER_CONFIG_NAME)  # what save_pretrained writes
 MODEL_INPUT_NAMES = ["input_ids", "token_type_ids", "attention_mask"]
 _UNDERLINE = "\u2581"
 _SPECIAL_TOKEN_SPLIT = re.compile(
@@ -576,7 +577,9 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
     """Train a unigram sentencepiece model with XLNet's special ids; writes ``out_dir/spiece.model``
     and the files :meth:`XLNetTokenizer.save_pretrained` adds for ``transformers``.
 
-    ``files_or_texts``: a path, a list of paths, or an iterable of text lines.
+    ``files_or_texts``: a path, a list of paths, or an iterable of text lines. The files are written
+    into a temporary sibling directory first and moved in (``spiece.model`` last), so a failure (a
+    full disk) leaves ``out_dir`` without a partial tokenizer; other files in ``out_dir`` are kept.
     """
     import sentencepiece as spm
 
@@ -590,7 +593,6 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
         kwargs["input"] = ",".join(os.fspath(x) for x in items)
     else:
         kwargs["sentence_iterator"] = iter(str(x) for x in items if str(x).strip())
-    os.makedirs(out_dir, exist_ok=True)
     model = io.BytesIO()
     spm.SentencePieceTrainer.Train(
         **kwargs,
@@ -605,9 +607,21 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
         hard_vocab_limit=False,
         minloglevel=2,
     )
-    path = os.path.join(out_dir, SPIECE_NAME)
-    with open(path, "wb") as f:
-        f.write(model.getvalue())
-    tokenizer = XLNetTokenizer(path, **tokenizer_kwargs)
-    tokenizer.save_pretrained(out_dir)
-    return tokenizer
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        path = os.path.join(tmp, SPIECE_NAME)
+        with open(path, "wb") as f:
+            try:
+                f.write(model.getvalue())
+            except OSError as exc:  # write() names no file
+                raise OSError(exc.errno, exc.strerror, path) from None
+        XLNetTokenizer(path, **tokenizer_kwargs).save_pretrained(tmp)
+        for name in sorted(TOKENIZER_FILES, key=lambda n: n == SPIECE_NAME):  # spiece.model last
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return XLNetTokenizer(os.path.join(out_dir, SPIECE_NAME), **tokenizer_kwargs)
