@@ -165,7 +165,8 @@ def add_pretrain_parser(sub) -> argparse.ArgumentParser:
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:
     base = PRESETS["base"]
-    p = sub.add_parser("eval", help="held-out permutation-LM loss of a checkpoint (one JSON line)",
+    p = sub.add_parser("eval", help="held-out permutation-LM loss of a checkpoint, or a Transformer-XL's perplexity "
+                       "(one JSON line)",
                        formatter_class=_Formatter, description=_text(EVAL_DESCRIPTION))
     p.add_argument("--model", required=True, metavar="DIR", help="a run directory (its newest readable checkpoint), "
                    "a checkpoint (RUN/checkpoints/step_N) or a transformers directory (required)")
@@ -179,6 +180,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, help="attention backend (default: the "
                    "model's config.json, auto if absent)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
+    from .cli_generate import add_transfo_xl_eval_flags
+
+    add_transfo_xl_eval_flags(p)
     return p
 
 
