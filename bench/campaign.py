@@ -2,7 +2,7 @@
 the attention sweep against transformers, FlexAttention and SDPA-flash, the pretraining step, the
 autotuner's choices and plots — time-boxed, every failure recorded, a summary table last.
 
-    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep pretrain plots]
+    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep pretrain memory plots]
                              [--sweep-D 64 128] [--sweep-providers xlnet_fast sdpa_flash ...]
     python -m bench.campaign --out DIR --cpu-dry-run [--budget-min 3]   # the orchestration on CPU, tiny shapes
     python -m bench.campaign --report RECORDS.jsonl [MORE.jsonl ...] [--out DIR]
@@ -23,7 +23,10 @@ d. ``pretrain``: the XLNet two-stream pretraining step (seq 512, mem 384, 85 tar
    tokens/s and peak memory, xlnet_fast against transformers, base then large;
 e. the autotuner's winning config (and every config's time) per tuned shape, recorded as steps b–d
    tune;
-f. ``plots``: ``attention.png`` (c) and ``pretrain.png`` (d).
+f. ``plots``: ``attention.png`` (c) and ``pretrain.png`` (d);
+g. ``memory``: Transformer-XL evaluation with memory against a recomputed sliding context of the
+   same attention length (``bench.memory_reuse``, 128…3,800), and generation with memory against
+   recomputing the context (``bench.generation``, Transformer-XL and XLNet), tokens/s and ratios.
 
 Each step runs in its own process, gets a share of ``--budget-min`` (what an earlier step left is
 shared among the later ones), stops starting new items when its share is used up (a ``cut`` record
@@ -65,9 +68,9 @@ ATTENTION_PLOT = "attention.png"
 PRETRAIN_PLOT = "pretrain.png"
 OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, PRETRAIN_PLOT)
 MAX_FILES = 8  # what the GPU machine sends back
-STEPS = ("env", "correctness", "sweep", "pretrain", "plots")
+STEPS = ("env", "correctness", "sweep", "pretrain", "memory", "plots")
 # Shares of the budget; "plots" runs at the end in the time kept back (RESERVE_*).
-WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "pretrain": 0.18}
+WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "pretrain": 0.18, "memory": 0.12}
 RESERVE_FRACTION, RESERVE_MAX_S = 0.04, 20.0
 # A step whose share is below this is not started (a cut record says so).
 MIN_STEP_S = 2.0

@@ -202,6 +202,27 @@ def pretrain_section(records) -> list:
                    "speedup vs hf"], rows)
 
 
+def memory_section(records) -> list:
+    """Issue 21: Transformer-XL evaluation with memory vs a recomputed sliding context (the paper's
+    Table 9), and generation with memory vs recomputing the context."""
+    def tps(r, name):
+        return "OOM" if r.get(f"{name}_tokens_per_s") is None else f"{r[f'{name}_tokens_per_s']:,.1f}"
+
+    out = []
+    reuse = [r for r in records if r.get("op") == "memory_reuse" and r.get("status") in ("ok", "oom")]
+    if reuse:
+        out += _table(["model", "attention length", "tgt_len", "mem_len", "memory tokens/s", "recompute tokens/s",
+                       "speedup"], [[f"{r['size']} {r['dtype']}", r["attention_length"], r["tgt_len"], r["mem_len"],
+                                     tps(r, "memory"), tps(r, "recompute"), _fmt(r.get("speedup"), 4)] for r in reuse])
+    gen = [r for r in records if r.get("op") == "generation" and r.get("status") in ("ok", "oom")]
+    if gen:
+        out += ([""] if out else []) + _table(
+            ["model", "length", "new tokens", "cached tokens/s", "recompute tokens/s", "speedup", "same tokens"],
+            [[f"{r['model']} {r['size']}", r["length"], r["new_tokens"], tps(r, "cached"), tps(r, "recompute"),
+              _fmt(r.get("speedup"), 4), r.get("same_tokens", "–")] for r in gen])
+    return out or ["No memory-reuse or generation measurement."]
+
+
 def autotune_section(records) -> list:
     recs = _ok(records, "autotune")
     if not recs:
@@ -256,6 +277,7 @@ def summary_markdown(records, notes=(), title: str = "GPU campaign", compact: bo
     sections = [("Environment and ceilings", environment_section), ("Steps", steps_section),
                 ("Correctness", correctness_section), ("Attention", attention_section),
                 ("Targets (docs/DESIGN.md §6)", targets_section), ("Pretraining step", pretrain_section),
+                ("Memory: evaluation and generation (Transformer-XL, XLNet)", memory_section),
                 ("Autotuner's choices", _autotune_line if compact else autotune_section)]
     out = [f"# {title}", ""]
     for name, fn in sections:

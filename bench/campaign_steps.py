@@ -7,6 +7,9 @@ which writes protocol lines on stdout that the parent turns into records and log
 and the console). Steps check ``Reporter.left()`` between items and stop with one ``cut`` record
 naming what they did not run.
 
+Steps: ``env``, ``correctness``, ``sweep``, ``pretrain`` (issue 13) and ``memory`` (issue 21:
+Transformer-XL evaluation and generation carried by memory).
+
 Modes: ``full`` (the GPU campaign of issue 13), ``quick`` (the smallest shapes, a couple of minutes
 on a GPU: a smoke test on arrival), ``dry`` (``--cpu-dry-run``: tiny shapes on CPU, the Triton
 kernels in Triton's interpreter, the eager providers; what needs CUDA is recorded as skipped).
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench import attention, cases, gpu_check, pinned_configs, pretrain_step, runner
+from bench import attention, cases, generation, gpu_check, memory_reuse, pinned_configs, pretrain_step, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD_PREFIX = "@record "
@@ -89,6 +92,14 @@ class Plan:
     pytest_workers: int = PYTEST_WORKERS
     pytest_config: str | None = PYTEST_CONFIG  # None: the suite autotunes as in CI
     config_check: tuple | None = None  # (name, case, dtype): checked at each autotuner config
+    # g. memory: Transformer-XL evaluation with memory vs a recomputed sliding context at these
+    # attention lengths, and generation with memory vs recomputing the context at these total lengths
+    memory_size: str = "wt103_base"  # xlnet_fast.transfo_xl.config.TRANSFO_XL_SIZES (and the XLNet of that width)
+    memory_dtype: str = "bf16"
+    memory_lengths: tuple = (128, 256, 512, 1024, 2048, 3800)
+    memory_tgt_len: int = 128
+    generation_lengths: tuple = (512, 1024, 2048, 3800)
+    generation_new_tokens: int = 64
 
     def sweep_cases(self) -> list:
         """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
@@ -130,7 +141,7 @@ PLANS = {
         sweep_modes=("fwd", "fwd_bwd"),
         providers=GPU_PROVIDERS,
         models=(("base_2_layers", cases.ModelCase("base", B=2, seq=512, mlen=384, predict=85, n_layer=2)),),
-        model_repeats=3),
+        model_repeats=3, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
     "dry": Plan(
         "dry", matmul_n=0, copy_mib=0,
         pytest_targets=("tests/test_triton_kernels.py",), pytest_k="head_dims_past_the_kernels_limit",  # fast
@@ -140,7 +151,8 @@ PLANS = {
         sweep_modes=("fwd", "fwd_bwd"),
         providers=("xlnet_fast", "sdpa_flash", "hf", "eager", "xlnet_fast_det", "fa2_ref", "flex"),
         models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
-        model_repeats=1, pytest_workers=1),
+        model_repeats=1, pytest_workers=1, memory_size="tiny", memory_dtype="fp32", memory_lengths=(16, 32),
+        memory_tgt_len=8, generation_lengths=(24,), generation_new_tokens=4),
 }
 
 
@@ -650,4 +662,40 @@ def _build(built: dict, model, device: str) -> dict:
     return {"parameters": sum(p.numel() for p in built["hf"].parameters())}
 
 
-STEPS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep, "pretrain": step_pretrain}
+# --------------------------------------------------------------------------------------------------
+# Step g: memory (issue 21): evaluation and generation carried by memory
+# --------------------------------------------------------------------------------------------------
+
+
+def step_memory(r: Reporter, plan: Plan) -> None:
+    """g. ``bench.memory_reuse`` (Transformer-XL: tokens/s of evaluation with memory and of a
+    recomputed sliding context per attention length, the paper's Table 9) and ``bench.generation``
+    (Transformer-XL and XLNet: tokens/s of generation with memory and of recomputing the context)."""
+    dtype = memory_reuse.DTYPES[plan.memory_dtype]
+    models: dict = {}
+
+    def model(kind: str):
+        if kind not in models:
+            _free(r.device)
+            models.clear()
+            models[kind] = (memory_reuse.build_model(plan.memory_size, r.device, dtype) if kind == "reuse" else
+                            generation.build_model(kind, plan.memory_size, r.device, dtype, mem_len=0))
+        return models[kind]
+
+    for A in r.each(list(plan.memory_lengths), lambda a: f"attention length {a}", "memory_reuse"):
+        r.attempt("memory_reuse", lambda: memory_reuse.measure_length(model("reuse"), plan.memory_size, A,
+                                                                      plan.memory_tgt_len, r.device,
+                                                                      plan.cpu_repeats), L=A)
+    items = [(kind, L) for kind in generation.MODELS for L in plan.generation_lengths]
+    for kind, L in r.each(items, lambda x: f"{x[0]} length {x[1]}", "generation"):
+        def measure():
+            m = model(kind)
+            m.config.mem_len = L  # the memory holds the whole context
+            return generation.measure_length(m, kind, plan.memory_size, L, plan.generation_new_tokens, r.device)
+
+        r.attempt("generation", measure, case=kind, L=L)
+    _free(r.device)
+
+
+STEPS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep, "pretrain": step_pretrain,
+         "memory": step_memory}

@@ -61,8 +61,8 @@ def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
     assert set(files) == ALL_FILES and len(files) <= campaign.MAX_FILES  # no temporary file left
     assert_schema(records)
     steps = by(records, op="step")
-    assert [s["step"] for s in steps] == ["env", "correctness", "sweep", "pretrain", "plots"]
-    assert [s["status"] for s in steps] == ["error", "ok", "error", "ok", "ok"]
+    assert [s["step"] for s in steps] == ["env", "correctness", "sweep", "pretrain", "memory", "plots"]
+    assert [s["status"] for s in steps] == ["error", "ok", "error", "ok", "ok", "ok"]
     # the failing step: its error, and the steps after it ran
     [env_error] = by(records, step="env", op="env")
     assert env_error["status"] == "error" and "injected failure (env)" in env_error["error"]
@@ -93,6 +93,12 @@ def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
     steps_measured = by(records, op="pretrain_step", status="ok")
     assert sorted(r["provider"] for r in steps_measured) == ["hf", "xlnet_fast"]
     assert all(r["tokens_per_s"] > 0 for r in steps_measured)
+    # memory: Transformer-XL evaluation with memory vs recompute, generation with memory vs recompute
+    reuse = by(records, op="memory_reuse", status="ok")
+    assert [r["attention_length"] for r in reuse] == [16, 32] and all(r["speedup"] > 0 for r in reuse)
+    gen = by(records, op="generation", status="ok")
+    assert sorted(r["model"] for r in gen) == ["transfo-xl", "xlnet"]
+    assert [r["same_tokens"] for r in gen if r["model"] == "transfo-xl"] == [True]
     for name in ("attention.png", "pretrain.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # tracebacks in the log; the summary printed last is the one written
@@ -101,6 +107,7 @@ def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
     summary = (out / "summary.md").read_text()
     assert proc.stdout.strip().endswith(summary.strip())
     assert "injected failure (xlnet_attn:hf)" in summary and "needs CUDA (the flash backend)" in summary
+    assert "## Memory: evaluation and generation" in summary and "| tiny float32 | 32 | 8 | 24 |" in summary
 
 
 def test_a_budget_too_small_cuts_every_step_and_still_writes_the_summary(tmp_path):

@@ -1,4 +1,4 @@
-"""xlnet_fast: fast XLNet with fused relative attention."""
+"""xlnet_fast: fast XLNet (and Transformer-XL) with fused relative attention."""
 
 from .config import XLNetConfig
 from .model import (
@@ -16,6 +16,7 @@ from .masks import local_perm
 from .attention import attention_probabilities, rel_attention, rel_attention_two_stream
 from .masks import INT32_MAX, INT32_MIN
 from .pretrain.tokenizer import XLNetTokenizer, train_tokenizer
+from .transfo_xl import TransfoXLConfig, TransfoXLLMHeadModel, TransfoXLModel
 
 __version__ = "0.1.0"
 
@@ -41,5 +42,8 @@ __all__ = [
     "unpatch_transformers",
     "from_hf",
     "to_hf",
+    "TransfoXLConfig",
+    "TransfoXLModel",
+    "TransfoXLLMHeadModel",
     "__version__",
 ]

@@ -66,9 +66,14 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
+    from .cli_generate import check_xlnet_eval_flags, eval_transfo_xl
     from .pretrain.evaluate import evaluate_model_dir
+    from .transfo_xl import is_transfo_xl_dir
 
     _setup_logging()
+    if is_transfo_xl_dir(args.model):
+        return eval_transfo_xl(args)
+    check_xlnet_eval_flags(args)
     layout = {name: getattr(args, name) for name in ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size",
                                                      "batch_size")}
     result = evaluate_model_dir(args.model, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
@@ -162,6 +167,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .cli_generate import add_generate_parser, generate_command
     from .cli_help import (add_data_parser, add_eval_parser, add_export_parser, add_plot_parser,
                            add_pretrain_parser, add_tokenizer_parser)
 
@@ -176,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub).set_defaults(func=_eval)
     add_plot_parser(sub).set_defaults(func=_plot)
     add_export_parser(sub).set_defaults(func=_export)
+    add_generate_parser(sub).set_defaults(func=generate_command)
 
     add_tokenizer_parser(sub).set_defaults(func=_tokenizer_train)
     add_data_parser(sub).set_defaults(func=_data_prepare)

@@ -166,7 +166,8 @@ def add_pretrain_parser(sub) -> argparse.ArgumentParser:
 
 def add_eval_parser(sub) -> argparse.ArgumentParser:
     base = PRESETS["base"]
-    p = sub.add_parser("eval", help="held-out permutation-LM loss of a checkpoint (one JSON line)",
+    p = sub.add_parser("eval", help="held-out permutation-LM loss of a checkpoint, or a Transformer-XL's perplexity "
+                       "(one JSON line)",
                        formatter_class=_Formatter, description=_text(EVAL_DESCRIPTION))
     p.add_argument("--model", required=True, metavar="DIR", help="a run directory (its newest readable checkpoint), "
                    "a checkpoint (RUN/checkpoints/step_N) or a transformers directory (required)")
@@ -182,11 +183,14 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
     _no_verify_flag(p)
     _verify_data_flag(p)
+    from .cli_generate import add_transfo_xl_eval_flags
+
+    add_transfo_xl_eval_flags(p)
     return p
 
 
 def _no_verify_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-verify", action="store_true", dest="no_verify", help="read a training checkpoint without "
+    p.add_argument("--no-verify", action="store_true", dest="no_verify", default=None, help="read a training checkpoint without "
                    "comparing its files with the sha256 checksums in its COMPLETE, which reads every byte once more "
                    "(COMPLETE and every file's size are still checked) (default: off: verified)")
 

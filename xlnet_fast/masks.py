@@ -64,6 +64,20 @@ def block_padding(k_rank: Tensor, padding: Tensor | None) -> Tensor:
     return torch.where(padding, torch.full_like(k_rank, INT32_MAX), k_rank)
 
 
+def causal_masks(batch: int, qlen: int, mlen: int, device, span: int | None = None) -> "StreamMasks":
+    """Causal attention over ``mlen`` memory keys and ``qlen`` current keys (Transformer-XL): query
+    ``i`` sees keys ``j <= mlen + i`` — as ranks, O(L). With ``span`` it sees only its last ``span``
+    keys, ``mlen + i - span < j <= mlen + i`` (Transformer-XL's ``same_length``): a dense ``(B, M, K)``
+    mask, since a lower bound is no rank comparison."""
+    if span is None:
+        ar = torch.arange(qlen, dtype=torch.int32, device=device).expand(batch, qlen)
+        return StreamMasks(q_rank=ar + 1, k_rank=with_memory(ar, mlen))
+    i = torch.arange(qlen, device=device)[:, None]
+    j = torch.arange(mlen + qlen, device=device)[None, :]
+    blocked = (j > mlen + i) | (j <= mlen + i - span)
+    return StreamMasks(attn_mask=blocked.expand(batch, qlen, mlen + qlen))
+
+
 
 # --------------------------------------------------------------------------------------------------
 # The typed record the layers receive

@@ -77,6 +77,13 @@ class XLNetLMHeadModel(XLNetPreTrainedModel):
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         return _wrap(XLNetLMHeadModelOutput, return_dict, out, loss=loss, logits=logits)
 
+    def generate(self, input_ids: Tensor, max_new_tokens: int = 20, **kwargs: Any) -> Tensor:
+        """Greedy or sampled continuation with memory, as transformers' XLNet ``generate`` (same greedy
+        tokens): see ``xlnet_fast.generation.generate_xlnet``."""
+        from ..generation import generate_xlnet
+
+        return generate_xlnet(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
 
 class XLNetSequenceSummary(nn.Module):
     """HF's sequence summary: pick a token (last/first/mean/cls_index), project, activate."""

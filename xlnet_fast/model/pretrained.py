@@ -1,4 +1,5 @@
-"""The base class of every XLNet model: weight init, and loading and saving transformers' format."""
+"""The base classes of the models: loading and saving transformers' directory format
+(``PreTrainedModel``, shared by XLNet and Transformer-XL) and XLNet's weight init."""
 
 from __future__ import annotations
 
@@ -26,16 +27,32 @@ def _load_state_file(path: str) -> dict[str, Tensor]:
         raise ValueError(f"could not read checkpoint file {path}: it is truncated or corrupted ({exc})") from exc
 
 
-class XLNetPreTrainedModel(nn.Module):
-    """Shared init, ``from_pretrained`` and ``save_pretrained`` (HF directory format)."""
+def _unshared(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` detached and contiguous, a tensor that shares memory with an earlier one copied
+    (safetensors refuses shared tensors; e.g. Transformer-XL's shared ``r_w_bias`` under every layer)."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for key, value in state.items():
+        value = value.detach().contiguous()
+        where = (value.untyped_storage().data_ptr(), value.storage_offset())
+        out[key] = value.clone() if where in seen and value.numel() else value
+        seen.add(where)
+    return out
 
+
+class PreTrainedModel(nn.Module):
+    """``from_pretrained`` and ``save_pretrained`` in transformers' directory format for a model
+    whose configuration is a ``config_class``; ``_tied_weights_keys`` maps a weight that is another's
+    (not saved, never missing) to it."""
+
+    config_class: type = XLNetConfig
     base_model_prefix = "transformer"
     _tied_weights_keys: dict[str, str] = {}
 
-    def __init__(self, config: XLNetConfig):
+    def __init__(self, config):
         super().__init__()
-        if not isinstance(config, XLNetConfig):
-            raise TypeError(f"config must be an XLNetConfig, got {type(config).__name__}")
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
         self.config = config
 
     def post_init(self) -> None:
@@ -46,22 +63,7 @@ class XLNetPreTrainedModel(nn.Module):
         pass
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, XLNetRelativeAttention):
-            for p in (module.q, module.k, module.v, module.o, module.r, module.r_r_bias,
-                      module.r_s_bias, module.r_w_bias, module.seg_embed):
-                nn.init.normal_(p, mean=0.0, std=std)
-        elif isinstance(getattr(module, "mask_emb", None), nn.Parameter):  # the backbone
-            nn.init.normal_(module.mask_emb, mean=0.0, std=std)
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
@@ -85,11 +87,11 @@ class XLNetPreTrainedModel(nn.Module):
         self.config.architectures = [type(self).__name__]
         self.config.save_pretrained(directory)
         state = self.state_dict() if state_dict is None else state_dict
-        state = {k: v.detach().contiguous() for k, v in state.items() if k not in self._tied_weights_keys}
+        state = _unshared({k: v for k, v in state.items() if k not in self._tied_weights_keys})
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, config: XLNetConfig | None = None,
+    def from_pretrained(cls, directory: str | os.PathLike, config=None,
                         ignore_mismatched_sizes: bool = False, **config_overrides: Any):
         """Load a directory written by ``transformers`` or by ``save_pretrained``, in eval mode (as
         transformers does).
@@ -103,12 +105,12 @@ class XLNetPreTrainedModel(nn.Module):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"{directory} is not a directory")
         if config is None:
-            saved = XLNetConfig.from_pretrained(directory)
+            saved = cls.config_class.from_pretrained(directory)
             unknown = sorted(k for k in config_overrides if not saved.is_field(k))
             if unknown:
                 raise TypeError(f"{cls.__name__}.from_pretrained() got keyword arguments that are no "
-                                f"XLNetConfig field: {unknown}")
-            config = XLNetConfig.from_pretrained(directory, **config_overrides)
+                                f"{cls.config_class.__name__} field: {unknown}")
+            config = cls.config_class.from_pretrained(directory, **config_overrides)
         elif config_overrides:
             raise TypeError(f"{cls.__name__}.from_pretrained() got config= and config fields "
                             f"{sorted(config_overrides)}: set them on the config instead")
@@ -161,3 +163,27 @@ class XLNetPreTrainedModel(nn.Module):
         if result.unexpected_keys:
             logger.warning("%s: unexpected weights ignored: %s", source, result.unexpected_keys)
         self.tie_weights()
+
+
+class XLNetPreTrainedModel(PreTrainedModel):
+    """The base of every XLNet model: XLNet's weight init."""
+
+    config_class = XLNetConfig
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, XLNetRelativeAttention):
+            for p in (module.q, module.k, module.v, module.o, module.r, module.r_r_bias,
+                      module.r_s_bias, module.r_w_bias, module.seg_embed):
+                nn.init.normal_(p, mean=0.0, std=std)
+        elif isinstance(getattr(module, "mask_emb", None), nn.Parameter):  # the backbone
+            nn.init.normal_(module.mask_emb, mean=0.0, std=std)
