@@ -533,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    import bench.source_tree
+
+    bench.source_tree.ensure_kernels_importable()  # a checkout that is not pip-installed (CI: the wheel's own)
     problem = aot.toolchain_problem()
     if problem:
         print(f"cannot compile for sm_90 here: {problem}", file=sys.stderr)
