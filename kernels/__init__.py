@@ -225,10 +225,10 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         **args, **grad_io, DQ=dq, DKR=dkr, PART=part, stride_dkrb=stride_dkrb, n_m_tiles=n_m_tiles,
         DKR_ATOMIC=not deterministic, **tiles)
     if deterministic:
-        fixed = tiles or _k.DETERMINISTIC_TILES
         det_args = {name: val for name, val in args.items() if name != "BANDED_ONLY"}
-        _k._bwd_kr_kernel[(triton.cdiv(R, fixed["BLOCK_N"]), Br * H)](
-            **det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br, **fixed)
+        kr = _k._bwd_kr_kernel if tiles else _k.bwd_kr_kernel_tuned
+        kr[lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H)](
+            **det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br, **tiles)
 
     # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §3)
     scale = float(a.scale)

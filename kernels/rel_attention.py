@@ -33,6 +33,8 @@ tile thanks to the same carry — and the per-tile sums that give the bias and s
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
 
@@ -648,25 +650,130 @@ def _bwd_kr_kernel(
 # Autotuning
 # --------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Banded tiles need BLOCK_M <= BLOCK_N. Every config is
-# a wgmma config on sm_90 (BLOCK_M >= 64). At D = 64 each kernel has one that does not spill:
-# forward 128x64 w8 s2, dK/dV 128x64 w8 s1, dQ 64x64 w8 s2. At D = 128 only the single-stage 64x64
-# one fits the backward kernels in shared memory. `python -m bench.sm90` reports registers, spills, shared
-# memory and instructions per score for each (bench/NOTES.md has the numbers).
-CONFIGS = ((128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1))
+# Configs are (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg); banded tiles need BLOCK_M <= BLOCK_N.
+# Candidates depend on the GPU (its compute capability, "arch" = 10 * major + minor) and the kernel
+# ("fwd", "dkdv", "dq", "dkr"); `python -m bench.compile_report` compiles every candidate for every
+# arch and reports registers, spills, shared memory and instructions per score (bench/NOTES.md).
+CONFIGS = ((128, 64, 8, 2, None), (128, 64, 8, 1, None), (64, 64, 8, 2, None), (64, 64, 4, 2, None),
+           (64, 64, 4, 1, None))
+ROLES = ("fwd", "dkdv", "dq", "dkr")
 # Tiles under the CPU interpreter (small shapes, fast to interpret).
 INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-# The deterministic dk_r kernel runs at one config (its grid is over k_r tiles).
-DETERMINISTIC_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+# Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
+# launch above either raises OutOfResources (triton's own check at launch).
+SHARED_MEMORY_PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448,
+                           103: 232_448, 120: 101_376, 121: 101_376}
+TMEM_COLUMNS = 512
 
 
-def configs() -> list:
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in CONFIGS]
+def arch_family(arch: int) -> int:
+    """The arch whose candidate configs serve ``arch`` (80, 86, 90, 100 or 120)."""
+    if arch >= 120:
+        return 120
+    if arch >= 100:
+        return 100
+    if arch >= 90:
+        return 90
+    return 86 if arch in (86, 89) else 80
+
+
+def shared_memory_limit(arch: int) -> int:
+    return SHARED_MEMORY_PER_BLOCK.get(arch, SHARED_MEMORY_PER_BLOCK[arch_family(arch)])
+
+
+def launchable(arch: int, smem_bytes: int, tmem_columns: int | None = None) -> bool:
+    """Whether a binary using this much shared memory (and tensor memory) launches on ``arch``."""
+    return smem_bytes <= shared_memory_limit(arch) and (tmem_columns or 0) <= TMEM_COLUMNS
+
+
+def config_name(config: triton.Config) -> str:
+    """``128x64w8s2`` (``...r232`` with a register cap)."""
+    kw = config.kwargs
+    cap = f"r{config.maxnreg}" if getattr(config, "maxnreg", None) else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}w{config.num_warps}s{config.num_stages}{cap}"
+
+
+def _config(bm, bn, warps, stages, maxnreg=None) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+
+
+def all_configs() -> list:
+    """Every config any arch may use (the autotuners' full lists; ``configs_for`` picks per device)."""
+    return [_config(*c) for c in CONFIGS]
+
+
+def configs_for(arch: int, head_dim: int, role: str) -> list:
+    """The candidate configs of kernel ``role`` at ``head_dim`` on ``arch``, best guess first."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return all_configs()
+
+
+_TARGET_ARCH: int | None = None
+
+
+@contextlib.contextmanager
+def compiling_for(arch: int):
+    """Inside, the autotuners' pruning assumes a device of ``arch`` and does not compile to check
+    launchability (``bench.compile_report`` compiles every candidate itself and applies
+    ``launchable``)."""
+    global _TARGET_ARCH
+    saved, _TARGET_ARCH = _TARGET_ARCH, arch
+    try:
+        yield
+    finally:
+        _TARGET_ARCH = saved
+
+
+def _device_arch(device) -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _prune(role: str, fn):
+    """``early_config_prune`` for kernel ``role``: the device's candidates among the autotuner's
+    configs (all of them if it was pinned to others), then those that launch on the device (each
+    compiled: the autotuner would compile it to time it anyway)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        arch = _TARGET_ARCH if _TARGET_ARCH is not None else _device_arch(args["Q"].device)
+        wanted = {config_name(c) for c in configs_for(arch, args["HEAD_DIM"], role)}
+        chosen = [c for c in configs if config_name(c) in wanted] or list(configs)
+        if _TARGET_ARCH is not None:
+            return chosen
+        fits = [c for c in chosen if _launches_on_device(fn, args, c)]
+        if not fits:
+            raise RuntimeError(f"no {role} kernel config fits this GPU (sm_{arch}, HEAD_DIM={args['HEAD_DIM']}): "
+                               f"tried {[config_name(c) for c in chosen]}")
+        return fits
+
+    return prune
+
+
+def _launches_on_device(fn, args: dict, config) -> bool:
+    """Compile ``fn`` for ``config`` (no launch) and apply triton's launch-time resource checks."""
+    from triton.runtime import driver
+
+    kernel = fn.warmup(**args, **config.all_kwargs(), grid=(1,))
+    device = driver.active.get_current_device()
+    limit = driver.active.utils.get_device_properties(device)["max_shared_mem"]
+    tmem = getattr(kernel.metadata, "tmem_size", None)
+    return kernel.metadata.shared <= limit and (tmem or 0) <= TMEM_COLUMNS
 
 
 TUNE_KEY = ["M", "N_KEYS", "HEAD_DIM", "BANDED_ONLY", "MASKING", "SEGMENTS", "DROPOUT", "DOT_DTYPE"]
-fwd_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_fwd_kernel)
-bwd_kv_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_bwd_kv_kernel)
-bwd_q_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY + ["DKR_ATOMIC"],
-                                     reset_to_zero=["DKR", "PART"])(_bwd_q_kernel)
+
+
+def _tuned(fn, role: str, key: list, **options):
+    return triton.autotune(all_configs(), key=key, prune_configs_by={"early_config_prune": _prune(role, fn)},
+                           **options)(fn)
+
+
+fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
+bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY)
+bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC"], reset_to_zero=["DKR", "PART"])
+bwd_kr_kernel_tuned = _tuned(_bwd_kr_kernel, "dkr", ["M", "N_KEYS", "R", "HEAD_DIM", "MASKING", "SEGMENTS",
+                                                      "DROPOUT", "DOT_DTYPE"])
