@@ -24,8 +24,6 @@ except Exception as exc:  # pragma: no cover - depends on the install
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.sm90)
 MAX_HEAD_DIM = 128
-# Philox seeds are 31-bit in the kernels
-SEED_MODULUS = 2**31 - 1
 
 
 def available() -> tuple[bool, str]:
@@ -36,6 +34,18 @@ def available() -> tuple[bool, str]:
     if version < (3, 3):
         return False, f"triton {triton.__version__} is older than 3.3"
     return True, f"triton {triton.__version__}"
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels drop a score when its random byte is below this: ``round(256 p)``, at most 255. The
+    dropout rate they apply is ``threshold / 256`` (within 1/512 of ``p``; FlashAttention-2 rounds
+    the same way) and kept values are scaled by ``1 / (1 - threshold / 256)``, so the expectation is
+    unchanged."""
+    return min(round(dropout_p * 256), 255)
+
+
+def _keep_scale(dropout_p: float) -> float:
+    return 1.0 / (1.0 - dropout_threshold(dropout_p) / 256)
 
 
 def _interpreting() -> bool:
@@ -152,6 +162,7 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
         masking = _k.MASK_RANKS if a.q_rank is not None else _k.MASK_NONE
         stride_mb = stride_mm = 0
     seed = int(a.seed.item()) if a.seed is not None else 0
+    keep_threshold = dropout_threshold(a.dropout_p)
     return dict(
         Q=q, K=k, V=v, KR=k_r, HEAD=_head_table(r_w_bias, r_r_bias, a), ROWS=rows,
         KEYS=_keys_table(a, B, K, q.device), MASK=mask,
@@ -161,9 +172,9 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
         stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
         stride_mb=stride_mb, stride_mm=stride_mm,
         H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * _k.LOG2E_VALUE,
-        seed=seed % SEED_MODULUS, dropout_p=float(a.dropout_p),
+        seed=seed, keep_threshold=keep_threshold,
         SEGMENTS=a.seg_embed is not None, MASKING=int(masking), BANDED_ONLY=banded_only,
-        CHECK_R=R < K + a.qlen, DROPOUT=a.dropout_p > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
+        CHECK_R=R < K + a.qlen, DROPOUT=keep_threshold > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
         DOT_DTYPE=_dot_dtype(q.dtype), INPUT_PRECISION=_input_precision(q.dtype),
     )
 
@@ -183,8 +194,8 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     tiles = _tiles()
     kernel = _k._fwd_kernel if tiles else _k.fwd_kernel_tuned
     kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H)](
-        **args, OUT=out, LSE=lse, stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-        **tiles)
+        **args, keep_scale=_keep_scale(a.dropout_p), OUT=out, LSE=lse, stride_ob=out.stride(0),
+        stride_om=out.stride(1), stride_oh=out.stride(2), **tiles)
     return out, lse
 
 
@@ -203,9 +214,12 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         # expanded (stride 0) gradient, so make such a one contiguous
         dout = dout.contiguous()
     dout = _int32_rows(dout, "the gradient of out")
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)
+    if dropout_threshold(a.dropout_p):
+        # dP and dV take dO times the keep scale: 1 / (1 - rate) applied once here, not per score
+        dout = dout * _keep_scale(a.dropout_p)
     args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
     block_d = args["BLOCK_D"]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)
     grad_io = dict(DO=dout, LSE=lse.contiguous(), DELTA=delta, stride_dob=dout.stride(0),
                    stride_dom=dout.stride(1), stride_doh=dout.stride(2))
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
@@ -245,3 +259,15 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
     dkr = (dkr / _k.LOG2E_VALUE).to(k_r.dtype)
     return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
+
+
+def dropout_mask(seed: int, B: int, H: int, M: int, K: int, dropout_p: float, device,
+                 block: int | None = None) -> torch.Tensor:
+    """The keep mask (B, H, M, K) bool that the kernels apply with ``seed`` and ``dropout_p`` to query
+    row m (the caller's row) and key k: for tests and debugging. ``block``: the tile width it is drawn
+    with (16 or a multiple of 64; the mask does not depend on it)."""
+    keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
+    tile = block or (16 if _interpreting() else 64)
+    _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
+        keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
+    return keep.view(B, H, M, K).bool()

@@ -24,8 +24,9 @@ tile instead of FlashAttention's 2). Tiles spanning more positions (sparse query
 general path: windows of 2*BLOCK_N k_r rows until the tile's span is covered.
 
 Softmax is online in base 2 with fp32 statistics; ``scale * log2(e)`` is folded into the query
-operands. Attention dropout uses Philox (``tl.rand``) keyed by (seed, batch*head) and counted by
-``caller_row * K + j``, regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
+operands. Attention dropout draws 16 keep/drop decisions per Philox4x32-7 call (one byte each,
+compared with ``round(256 p)``, as FlashAttention-2), in the accumulator's own layout (``_dropout_keep``),
+regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
 key tile (dK, dV) and one per query tile (dQ, dk_r by fp32 atomics — one BLOCK_N-row tile per key
 tile thanks to the same carry — and the per-tile sums that give the bias and seg_embed gradients).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
@@ -68,8 +69,9 @@ HEAD_FIELDS = tl.constexpr(5)
 # Per-(b*h, query tile) partial sums of the dQ kernel (B*H, n_m_tiles, PART_FIELDS, BLOCK_D):
 #   sum dq_w, sum dq_r, sum g0*q_s, sum g1*q_s, sum g0 (column 0), sum g1 (column 0).
 PART_FIELDS = tl.constexpr(6)
-# Philox streams: seed + (b*H + h) * DROPOUT_STREAM_STRIDE.
-DROPOUT_STREAM_STRIDE = tl.constexpr(1000003)
+# Dropout: Philox4x32 rounds (FlashAttention-2's), and the columns one call's 16 bytes cover.
+PHILOX_ROUNDS = tl.constexpr(7)
+DROPOUT_GROUP = tl.constexpr(64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,9 +213,40 @@ def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_
 
 
 @triton.jit
-def _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p):
-    offsets = src_row[:, None] * N_KEYS + cols[None, :]
-    return tl.rand(seed + pid_bh * DROPOUT_STREAM_STRIDE, offsets) >= dropout_p
+def _philox_bytes(seed, group, src_row, pid_bh, BLOCK_M: tl.constexpr, N_GROUPS: tl.constexpr):
+    """(BLOCK_M, N_GROUPS, 16) bytes (int32): the Philox4x32-7 output for counter (group, caller row,
+    batch * H + head, 0) and key ``seed``, its four words little-endian (byte u = 4 * word + k)."""
+    zero = tl.zeros((BLOCK_M, N_GROUPS), tl.uint32)
+    c0 = zero + tl.expand_dims(group.to(tl.uint32), 0)
+    c1 = zero + tl.expand_dims(src_row.to(tl.uint32), 1)
+    x0, x1, x2, x3 = tl.philox(seed, c0, c1, zero + pid_bh.to(tl.uint32), zero, n_rounds=PHILOX_ROUNDS)
+    # join(join(a, c), join(b, d)) flattens to a, b, c, d
+    words = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BLOCK_M, N_GROUPS, 4))
+    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24))
+    return tl.reshape(b, (BLOCK_M, N_GROUPS, 16)).to(tl.int32)
+
+
+@triton.jit
+def _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask (BLOCK_M, BLOCK_N) of key columns ``n0 .. n0 + BLOCK_N``: element (row, j) keeps
+    when byte ``2 * ((j % 64) // 8) + j % 2`` of call ``4 * (j // 64) + (j % 8) // 2`` (rows by the
+    caller's index) is at least ``keep_threshold`` = round(256 p). A thread of the MMA accumulator
+    holds columns 8k + 2t + {0, 1} for one t: those 16 columns of a 64-column group come from one
+    call, so the bytes reach it without leaving its registers."""
+    if BLOCK_N >= DROPOUT_GROUP:
+        N_GROUPS: tl.constexpr = BLOCK_N // 16
+        b = _philox_bytes(seed, tl.arange(0, N_GROUPS) + n0 // 16, src_row, pid_bh, BLOCK_M, N_GROUPS)
+        # (row, group g, t, k, e) -> (row, g, k, t, e): column 64 g + 8 k + 2 t + e
+        b = tl.permute(tl.reshape(b, (BLOCK_M, BLOCK_N // 64, 4, 8, 2)), (0, 1, 3, 2, 4))
+        b = tl.reshape(b, (BLOCK_M, BLOCK_N))
+    else:
+        # narrow tiles (the interpreter's): draw the tile's whole 64-column group, keep its columns
+        b = _philox_bytes(seed, tl.arange(0, 4) + (n0 // DROPOUT_GROUP) * 4, src_row, pid_bh, BLOCK_M, 4)
+        b = tl.reshape(tl.permute(tl.reshape(b, (BLOCK_M, 4, 8, 2)), (0, 2, 1, 3)),
+                       (BLOCK_M, DROPOUT_GROUP // BLOCK_N, BLOCK_N))
+        part = tl.arange(0, DROPOUT_GROUP // BLOCK_N)[None, :, None] == (n0 - (n0 // DROPOUT_GROUP) * DROPOUT_GROUP) // BLOCK_N
+        b = tl.sum(tl.where(part, b, 0), axis=1)
+    return b >= keep_threshold
 
 
 @triton.jit
@@ -233,14 +266,15 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, dropout_p,
-            DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
-    """One key tile of the forward after its scores: online softmax, dropout, acc += P V."""
+def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, keep_threshold,
+            DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One key tile of the forward after its scores: online softmax, dropout, acc += P V (the kept
+    probabilities unscaled: the kernel scales the output by 1 / (1 - rate) once)."""
     prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
-        prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
+        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        prob = tl.where(keep, prob, 0.0)
     v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     return acc, m_i, l_i
@@ -251,7 +285,7 @@ def _fwd_kernel(
     Q, K, V, KR, HEAD, ROWS, KEYS, MASK, OUT, LSE,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
-    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, keep_scale,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -294,7 +328,7 @@ def _fwd_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
@@ -306,11 +340,11 @@ def _fwd_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    out = acc * (keep_scale / tl.where(has_key, l_i, 1.0))[:, None]
     out_ptrs = OUT + b * stride_ob + h * stride_oh + src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (offs_d < HEAD_DIM)[None, :])
     # natural-log lse of the scaled scores; +inf marks a row with no visible key
@@ -325,16 +359,17 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
-               DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+               DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr):
     """From a recomputed score tile (log2 domain): the (dropped) probabilities that multiplied V,
     and dS = P * (dP - delta) with respect to the natural-log scores, unscaled."""
     prob = tl.exp2(s - lse2[:, None])  # lse2 = +inf on rows with no visible key -> 0
     dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p)
-        prob_d = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
-        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        prob_d = tl.where(keep, prob, 0.0)
+        dp = tl.where(keep, dp, 0.0)
     else:
         prob_d = prob
     return prob_d, prob * (dp - delta[:, None])
@@ -402,7 +437,7 @@ def _bwd_kv_kernel(
     Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -446,8 +481,8 @@ def _bwd_kv_kernel(
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
         do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, do_base, stride_dom, src_row, row_ok,
                                     e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
-        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
-                                DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
         dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), q_w, input_precision=INPUT_PRECISION)
     # q_w carries qk_scale = scale * log2(e); dK needs scale alone
@@ -462,7 +497,7 @@ def _bwd_q_kernel(
     Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DQ, DKR, PART,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, n_m_tiles,
+    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_m_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -517,8 +552,8 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
             dsc_lo, dsc_hi = _unskew_pair(ds, unskew_idx, BLOCK_M, BLOCK_N)
             # the lower half's rows are complete now: the previous tile's upper half plus this one's
@@ -546,8 +581,8 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
             c_first = qlen + n0 - p_hi
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
@@ -593,7 +628,7 @@ def _bwd_kr_kernel(
     Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DKR,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, batch_per_kr,
+    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, batch_per_kr,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -637,13 +672,24 @@ def _bwd_kr_kernel(
                                  BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
                 s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb, stride_mm,
                                pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                        dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
                 dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
                 acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
     tl.store(DKR + br * stride_dkrb + h * HEAD_DIM + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
              acc, mask=(c_rows < R)[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dropout_mask_kernel(KEEP, seed, keep_threshold, M, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KEEP (B*H, M, N_KEYS) uint8: the keep mask the attention kernels apply (caller rows)."""
+    pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(seed, pid_bh, rows, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
+    ptrs = KEEP + (pid_bh.to(tl.int64) * M + rows[:, None]) * N_KEYS + cols[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(rows < M)[:, None] & (cols < N_KEYS)[None, :])
 
 
 # --------------------------------------------------------------------------------------------------
