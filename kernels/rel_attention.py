@@ -128,14 +128,15 @@ def _padded_keys(N_KEYS):
 @triton.jit
 def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile's first and last positions (rows are sorted by position and padding rows repeat the
-    last real position, so two scalar loads), whether the tile is banded (its positions span
-    < BLOCK_M values), and the loop-invariant flat gather index of a banded tile: row i, key
-    column jj reads window column ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window."""
+    last real position, so two scalar loads), whether the tile is banded, and the loop-invariant
+    flat gather index of a banded tile: row i, key column jj reads window column
+    ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window. That column stays inside the window
+    when the tile's positions span at most BLOCK_N + 1 values: that is what banded means."""
     p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> 1
     p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> 1
-    banded = p_hi - p_lo < BLOCK_M
+    banded = p_hi - p_lo <= BLOCK_N
     # rows past M (masked) may have any position: keep their index in range
-    lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_M - 1)
+    lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_N)
     local = tl.arange(0, BLOCK_M)
     flat_idx = local[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :] + lag[:, None]
     return p_hi, p_lo, banded, lag, flat_idx
@@ -309,8 +310,9 @@ def _fwd_kernel(
         q_base, stride_qm, ROWS + b * M * ROW_FIELDS, HEAD + h * HEAD_FIELDS * HEAD_DIM, rows, offs_d,
         M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
     p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
-    if BANDED_ONLY:  # every tile is banded: compile the banded path alone
-        banded = True
+    if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
+        if BLOCK_M <= BLOCK_N:
+            banded = True
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -467,7 +469,8 @@ def _bwd_kv_kernel(
             q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
         p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, m0, M, BLOCK_M, BLOCK_N)
         if BANDED_ONLY:
-            banded = True
+            if BLOCK_M <= BLOCK_N:
+                banded = True
         s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
         if banded:
             # one window of 2*BLOCK_N k_r rows anchored at the tile's last position
@@ -528,7 +531,8 @@ def _bwd_q_kernel(
                                 src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
     p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:
-        banded = True
+        if BLOCK_M <= BLOCK_N:
+            banded = True
     # the content and relative parts of dQ apart: their row sums give dr_w and dr_r
     dq_w = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dq_r = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)

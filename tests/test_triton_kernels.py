@@ -107,6 +107,25 @@ def test_fully_blocked_rows_are_zero_with_finite_grads():
     assert all(torch.isfinite(x).all() for x in g)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding", "rank_content"])
+def test_tiles_not_square_match_eager(name, block_m, block_n, monkeypatch):
+    """Regression: a tile taller than wide (BLOCK_M > BLOCK_N) took the banded path, whose window of
+    2 * BLOCK_N k_r rows cannot hold BLOCK_M positions: wrong scores without an error (the GPU
+    configs had 128x64 tiles; the interpreter's are square, so no test saw it)."""
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
+    case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    out, g_tri = grads(triton_attention, case, dout)
+    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    assert rel(out, ref_out) < 1e-5
+    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
+        assert rel(a, b) < 1e-4, n
+
+
 def test_philox_reference_matches_the_published_known_answers():
     # Random123's kat_vectors for philox4x32_10: counter and key all zeros / all ones
     zero, ones = torch.zeros(1, dtype=torch.long), torch.full((1,), 0xFFFFFFFF)
