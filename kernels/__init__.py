@@ -72,10 +72,19 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
+def fp32_precision() -> str:
+    """How the kernels multiply fp32 inputs on a GPU, following torch's own switch for fp32 matmuls:
+    ``"tf32"`` where torch allows TF32 (``torch.backends.cuda.matmul.allow_tf32``, i.e.
+    ``torch.set_float32_matmul_precision("high")`` or ``"medium"``), else ``"tf32x3"`` (the default
+    ``"highest"``): three TF32 products per dot, about fp32's accuracy on the tensor cores. Plain
+    fp32 FMA dots are never used: they leave the kernels 32 registers and tens of KB of spill."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
 def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not _interpreting():
-        return "tf32"
-    return "ieee"
+    if dtype != torch.float32 or _interpreting():
+        return "ieee"  # 16-bit inputs multiply exactly; the interpreter computes in numpy
+    return fp32_precision()
 
 
 def _block_d(D: int) -> int:

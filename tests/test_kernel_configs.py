@@ -80,3 +80,39 @@ def test_on_a_device_the_prune_keeps_what_launches_in_candidate_order(monkeypatc
         ra._prune("dq", ra._bwd_q_kernel)(ra.all_configs(), {}, **args)
     with pytest.raises(RuntimeError, match="sm_90"):
         ra.first_launchable("dq", ra._bwd_q_kernel, args)
+
+
+@pytest.fixture
+def tf32_switch():
+    import torch
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield lambda allowed: setattr(torch.backends.cuda.matmul, "allow_tf32", allowed)
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_fp32_dots_follow_torchs_tf32_switch_and_never_use_fma(tf32_switch, monkeypatch):
+    """Regression: fp32 inputs with TF32 off compiled to FFMA dots (32 registers, 56-170 KB spill)."""
+    import torch
+
+    from xlnet_fast import kernels
+
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    tf32_switch(True)
+    assert kernels.fp32_precision() == "tf32" and kernels._input_precision(torch.float32) == "tf32"
+    tf32_switch(False)
+    assert kernels.fp32_precision() == "tf32x3" and kernels._input_precision(torch.float32) == "tf32x3"
+    assert kernels._input_precision(torch.bfloat16) == "ieee"  # 16-bit products are exact
+
+
+def test_info_says_how_fp32_inputs_are_multiplied(tf32_switch, monkeypatch):
+    import torch
+
+    from xlnet_fast.attention import backends
+
+    monkeypatch.setattr(backends, "triton_status", lambda: (True, ""))
+    tf32_switch(False)
+    line = backends.explain_auto_backend(torch.device("cuda"))
+    assert line.startswith("triton") and "3xTF32" in line and "highest" in line
+    tf32_switch(True)
+    assert "TF32 dots" in backends.explain_auto_backend(torch.device("cuda"))
