@@ -234,12 +234,18 @@ def _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M: tl.constex
         b = tl.permute(tl.reshape(b, (BLOCK_M, BLOCK_N // 64, 4, 8, 2)), (0, 1, 3, 2, 4))
         b = tl.reshape(b, (BLOCK_M, BLOCK_N))
     else:
-        # narrow tiles (the interpreter's): draw the tile's whole 64-column group, keep its columns
+        # narrow tiles: draw the tile's whole 64-column group and keep the tile's part of it
         b = _philox_bytes(seed, tl.arange(0, 4) + (n0 // DROPOUT_GROUP) * 4, src_row, pid_bh, BLOCK_M, 4)
-        b = tl.reshape(tl.permute(tl.reshape(b, (BLOCK_M, 4, 8, 2)), (0, 2, 1, 3)),
-                       (BLOCK_M, DROPOUT_GROUP // BLOCK_N, BLOCK_N))
-        part = tl.arange(0, DROPOUT_GROUP // BLOCK_N)[None, :, None] == (n0 - (n0 // DROPOUT_GROUP) * DROPOUT_GROUP) // BLOCK_N
-        b = tl.sum(tl.where(part, b, 0), axis=1)
+        part = (n0 - (n0 // DROPOUT_GROUP) * DROPOUT_GROUP) // BLOCK_N  # which BLOCK_N columns of 64
+        if BLOCK_N == 32:
+            # (row, t, half h, k, e) -> (row, k, t, e, h): column 32 h + 8 k + 2 t + e; pick h
+            halves = tl.permute(tl.reshape(b, (BLOCK_M, 4, 2, 4, 2)), (0, 3, 1, 4, 2))
+            lo, hi = tl.split(tl.reshape(halves, (BLOCK_M, BLOCK_N, 2)))
+            b = tl.where(part == 1, hi, lo)
+        else:
+            b = tl.reshape(tl.permute(tl.reshape(b, (BLOCK_M, 4, 8, 2)), (0, 2, 1, 3)),
+                           (BLOCK_M, DROPOUT_GROUP // BLOCK_N, BLOCK_N))
+            b = tl.sum(tl.where(tl.arange(0, DROPOUT_GROUP // BLOCK_N)[None, :, None] == part, b, 0), axis=1)
     return b >= keep_threshold
 
 

@@ -134,7 +134,7 @@ def test_philox_reference_matches_the_published_known_answers():
                                                                                0x6D5451FD]
 
 
-@pytest.mark.parametrize("block", [16, 64, 128])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
 @pytest.mark.parametrize("seed", [123, 2**40 + 7])
 def test_dropout_stream_is_the_documented_philox_bytes(seed, block):
     """The keep mask is Philox4x32-7 bytes at the documented counters, whatever tile draws it
