@@ -22,7 +22,7 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# every kernel has a config that fits Hopper's shared memory up to this head dim (bench.sm90)
+# every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
 
 
