@@ -1,4 +1,4 @@
-"""Capture the Triton launches of Python launch code and compile them ahead of time for NVIDIA sm_90.
+"""Capture the Triton launches of Python launch code and compile them ahead of time for an NVIDIA GPU.
 
 Nothing here knows the kernels: ``capture_launches(run)`` calls ``run()`` (launch code running on
 meta or CPU tensors, with ``TRITON_INTERPRET`` unset) while ``JITFunction.run`` and
@@ -6,11 +6,14 @@ meta or CPU tensors, with ``TRITON_INTERPRET`` unset) while ``JITFunction.run`` 
 its autotuner may pick (after ``prune_configs``, as ``Autotuner.run`` would benchmark them).
 ``compile_launch`` then specialises the recorded arguments the way a real launch does (triton's own
 binder: pointer dtypes, 16-byte alignment of pointers and of integers divisible by 16, integers
-equal to 1 as constexprs) and compiles for ``GPUTarget("cuda", 90, 32)`` with the launch's options.
+equal to 1 as constexprs) and compiles for ``GPUTarget("cuda", arch, 32)`` (``target(arch)``, arch =
+10 * major + minor: 80, 86, 89, 90, 100, 120, ...) with the launch's options.
 
 Registers and spills come from ptxas's ``-v`` log of the very command triton assembles with
-(``make_cubin``: the bundled ptxas on triton 3.6, ptxas-blackwell for sm_90 on 3.9); the SASS with
-source lines from ``nvdisasm -c -gi`` on the cubin.
+(``make_cubin``: ``--gpu-name=sm_90a``/``sm_100a``/``sm_120a`` from 90 up; the bundled ptxas, or
+ptxas-blackwell for sm_100+ on triton 3.6 and sm_90+ on 3.9); shared memory and tensor memory
+(Blackwell's TMEM columns) from the compiled kernel's metadata, the numbers triton checks at launch;
+the SASS with source lines from ``nvdisasm -c -gi`` on the cubin.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-HOPPER = GPUTarget("cuda", 90, 32)
 # A pointer's 16-byte alignment is what the binder specialises on; real allocations (CUDA's caching
 # allocator) start at multiples of 512 bytes, so a tensor's address is this base plus its offset.
 _ALLOCATION_BASE = 1 << 20
@@ -45,7 +47,12 @@ class Launch:
     kwargs: dict  # keyword arguments, the config's included (num_warps, num_stages, ...)
     grid: object  # a tuple or a callable of the bound arguments, as passed to kernel[grid]
     phase: str = ""  # label given by the caller of capture_launches (e.g. "forward")
-    autotuned: bool = False
+    config: triton.Config | None = None  # the autotuner config this launch is recorded for
+    labels: dict = field(default_factory=dict)  # what the caller set in recorder.labels at the launch
+
+    @property
+    def autotuned(self) -> bool:
+        return self.config is not None
 
     @property
     def name(self) -> str:
@@ -74,7 +81,8 @@ class Recorder:
 
     launches: list = field(default_factory=list)
     phase: str = ""
-    _config_kwargs: dict | None = None
+    labels: dict = field(default_factory=dict)  # copied onto each launch (e.g. set by a spy in pruning)
+    _config: triton.Config | None = None
 
 
 @contextlib.contextmanager
@@ -84,8 +92,8 @@ def capture_launches():
     jit_run, autotuner_run = JITFunction.run, Autotuner.run
 
     def record_jit(self, *args, grid, warmup, **kwargs):
-        recorder.launches.append(Launch(self, args, dict(kwargs), grid, recorder.phase,
-                                        autotuned=recorder._config_kwargs is not None))
+        recorder.launches.append(Launch(self, args, dict(kwargs), grid, recorder.phase, recorder._config,
+                                        dict(recorder.labels)))
         return None
 
     def record_autotuned(self, *args, **kwargs):
@@ -95,11 +103,11 @@ def capture_launches():
         finally:
             self.nargs = None
         for config in configs:
-            recorder._config_kwargs = config.all_kwargs()
+            recorder._config = config
             try:
-                self.fn.run(*args, **kwargs, **recorder._config_kwargs)
+                self.fn.run(*args, **kwargs, **config.all_kwargs())
             finally:
-                recorder._config_kwargs = None
+                recorder._config = None
         return None
 
     JITFunction.run, Autotuner.run = record_jit, record_autotuned
@@ -136,13 +144,19 @@ class Compiled:
     spill_load_bytes: int
     stack_bytes: int
     smem_bytes: int
+    tmem_columns: int | None  # Blackwell tensor memory (None where triton does not report it)
     sass: str  # nvdisasm -c -gi
     ptxas_log: str
 
 
-def specialise(launch: Launch):
-    """(signature, constexprs, attrs, options) of the launch as ``JITFunction.run`` computes them."""
-    backend = make_backend(HOPPER)
+def target(arch: int) -> GPUTarget:
+    return GPUTarget("cuda", arch, 32)
+
+
+def specialise(launch: Launch, arch: int):
+    """(signature, constexprs, attrs, options) of the launch as ``JITFunction.run`` computes them
+    on a GPU of ``arch``."""
+    backend = make_backend(target(arch))
     fn = launch.fn
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
@@ -157,15 +171,13 @@ def specialise(launch: Launch):
     return signature, constexprs, attrs, options
 
 
-def _ptxas_log(ptx: str, options) -> str:
-    """ptxas -v log of triton's own assembly command for this PTX (make_cubin, log dumped)."""
-    backend = make_backend(HOPPER)
-    out = io.StringIO()
+@contextlib.contextmanager
+def _ptxas_log_to(out: io.StringIO):
+    """Within the block, triton's assembly step (``make_cubin``) prints ptxas's -v log into ``out``."""
     with knobs.nvidia.scope():
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(out):
-            backend.make_cubin(ptx, {}, options, HOPPER.arch)
-    return out.getvalue()
+            yield
 
 
 def _log_number(pattern: str, log: str) -> int:
@@ -183,12 +195,17 @@ def disassemble(cubin: bytes) -> str:
                               capture_output=True, text=True).stdout
 
 
-def compile_launch(launch: Launch) -> Compiled:
-    """Compile the launch for sm_90 and read registers, spills, shared memory and SASS."""
-    signature, constexprs, attrs, options = specialise(launch)
-    compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=HOPPER,
-                              options=options.__dict__)
-    log = _ptxas_log(compiled.asm["ptx"], options)
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    """Compile the launch for ``arch`` and read registers, spills, shared and tensor memory, SASS."""
+    signature, constexprs, attrs, options = specialise(launch, arch)
+    log = io.StringIO()
+    with _ptxas_log_to(log):
+        compiled = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target(arch),
+                                  options=options.__dict__)
+    if "Used" not in log.getvalue():  # taken from triton's cache: assemble the PTX once more for the log
+        with _ptxas_log_to(log):
+            make_backend(target(arch)).make_cubin(compiled.asm["ptx"], {}, options, arch)
+    log = log.getvalue()
     if "Used" not in log:
         raise RuntimeError(f"no ptxas -v report for {launch.name}:\n{log}")
     return Compiled(
@@ -198,26 +215,27 @@ def compile_launch(launch: Launch) -> Compiled:
         spill_load_bytes=_log_number(r"(\d+) bytes spill loads", log),
         stack_bytes=_log_number(r"(\d+) bytes stack frame", log),
         smem_bytes=int(compiled.metadata.shared),
+        tmem_columns=getattr(compiled.metadata, "tmem_size", None),
         sass=disassemble(compiled.asm["cubin"]),
         ptxas_log=log,
     )
 
 
-def compile_key(launch: Launch) -> str:
-    """Two launches with equal keys compile to the same binary."""
-    signature, constexprs, attrs, options = specialise(launch)
-    return repr((launch.fn.cache_key, sorted(signature.items()), sorted(constexprs.items(), key=str),
+def compile_key(launch: Launch, arch: int) -> str:
+    """Two launches with equal keys compile to the same binary for ``arch``."""
+    signature, constexprs, attrs, options = specialise(launch, arch)
+    return repr((arch, launch.fn.cache_key, sorted(signature.items()), sorted(constexprs.items(), key=str),
                  sorted(attrs.items(), key=str), sorted(options.__dict__.items(), key=str)))
 
 
-def toolchain_problem() -> str | None:
-    """Why sm_90 code cannot be produced here (None when it can)."""
+def toolchain_problem(arch: int) -> str | None:
+    """Why code for ``arch`` cannot be produced here (None when it can)."""
     try:
-        backend = make_backend(HOPPER)
+        backend = make_backend(target(arch))
         tools = [knobs.nvidia.nvdisasm.path]
         from triton.backends.nvidia.compiler import get_ptxas
 
-        tools.append(get_ptxas(HOPPER.arch).path)
+        tools.append(get_ptxas(arch).path)
     except Exception as exc:  # noqa: BLE001 - any failure means no NVIDIA toolchain
         return f"triton {triton.__version__} has no usable NVIDIA backend: {type(exc).__name__}: {exc}"
     missing = [t for t in tools if not (t and os.path.exists(t))]

@@ -2,7 +2,7 @@
 
 ``AttentionCase`` + ``attention_inputs``: the arguments of one call of the attention op
 (``rel_attention``, or ``rel_attention_two_stream`` when the case has a query stream), used by
-``bench.attention``, ``bench.gpu_check`` and ``bench.sm90``. ``ModelCase`` + ``token_ids`` /
+``bench.attention``, ``bench.gpu_check`` and ``bench.compile_report``. ``ModelCase`` + ``token_ids`` /
 ``pretraining_batch``: the inputs of a whole model, used by ``bench.pretrain_step`` and
 ``bench.cpu_vs_hf``. Model widths come from ``xlnet_fast.config.MODEL_SIZES``.
 

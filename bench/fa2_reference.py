@@ -1,11 +1,12 @@
-"""A plain FlashAttention-2 in Triton: the reference the compile report (``bench.sm90``) measures the
-fused XLNet kernels against. Softmax attention without bias, mask or dropout, online softmax in base 2.
+"""A plain FlashAttention-2 in Triton: the reference the compile report (``bench.compile_report``)
+measures the fused XLNet kernels against. Softmax attention without bias, mask or dropout, online
+softmax in base 2.
 
 Layout as the op's: ``q (B, M, H, D)``, ``k, v (B, N, H, D)``; ``lse (B, H, M)`` natural log.
 Three kernels: forward (one program per query tile, loop over key tiles), dK/dV (one program per
 key tile, loop over query tiles) and dQ (one program per query tile, loop over key tiles); the
 backward's ``delta = rowsum(dO * O)`` is a torch reduction, as in the op. Tile sizes and launch
-options are arguments (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``).
+options are arguments (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ``maxnreg``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)  # the same constant inside the kernels
+# what each kernel computes, in the compile report's words
+ROLES = {"_fa2_fwd": "fwd", "_fa2_bwd_kv": "dkdv", "_fa2_bwd_q": "dq"}
 
 
 @triton.jit
@@ -139,7 +142,7 @@ def _block_d(D: int) -> int:
 
 
 def forward(q, k, v, sm_scale: float, **tiles):
-    """``out (B, M, H, D)``, ``lse (B, H, M)`` float32; ``tiles``: BLOCK_M, BLOCK_N, num_warps, num_stages."""
+    """``out (B, M, H, D)``, ``lse (B, H, M)`` float32; ``tiles``: BLOCK_M, BLOCK_N, launch options."""
     B, M, H, D = q.shape
     N = k.shape[1]
     out = torch.empty_like(q)

@@ -1,5 +1,5 @@
 """Pin the op's autotuned Triton kernels to some of their configs (named like ``128x64w8s2``:
-BLOCK_M x BLOCK_N, warps, stages; the configs are ``kernels/rel_attention.CONFIGS``).
+BLOCK_M x BLOCK_N, warps, stages; the configs are ``kernels/rel_attention.CANDIDATES``).
 
 ``pinned(names)`` is a context manager: inside it the autotuners only know those configs (one
 config: no tuning at all), their tuning caches are emptied, and both are restored after. The
@@ -19,9 +19,13 @@ TUNED_KERNELS = ("fwd_kernel_tuned", "bwd_kv_kernel_tuned", "bwd_q_kernel_tuned"
 
 
 def config_name(config) -> str:
-    """``128x64w8s2`` for a ``triton.Config``."""
-    kw = config.kwargs
-    return f"{kw.get('BLOCK_M')}x{kw.get('BLOCK_N')}w{config.num_warps}s{config.num_stages}"
+    """``128x64w8s2`` (``...r255`` with a register cap) for a ``triton.Config``."""
+    from bench.source_tree import ensure_kernels_importable
+
+    ensure_kernels_importable()
+    from xlnet_fast.kernels import rel_attention
+
+    return rel_attention.config_name(config)
 
 
 def tuned_kernels() -> dict:
@@ -35,7 +39,19 @@ def tuned_kernels() -> dict:
 
 
 def all_config_names() -> list:
-    return [config_name(c) for c in tuned_kernels()["fwd_kernel_tuned"].configs]
+    """Every candidate config (any kernel) of this machine's GPU; without one, of the H100 the GPU
+    campaign runs on (its CPU dry run rehearses that)."""
+    import torch
+
+    from xlnet_fast.kernels import rel_attention
+
+    tuned_kernels()  # makes the kernels importable
+    arch = 90
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = 10 * major + minor
+    family = rel_attention.CANDIDATES[rel_attention.arch_family(arch)]
+    return list(dict.fromkeys(name for names in family.values() for name in names))
 
 
 def _pin(names) -> dict:

@@ -1,13 +1,14 @@
-"""Read Hopper SASS (``nvdisasm -c -gi``): loops, the key loop, and instruction counts per iteration.
+"""Read NVIDIA SASS (``nvdisasm -c -gi``): loops, the key loop, and instruction counts per iteration.
 
 Loops are the natural loops of the control-flow graph: the listing is cut into basic blocks at
 branch targets and after branches/exits; an edge to a block that dominates its source is a back
 edge, and the loop is the header plus every block that reaches the back edge without passing the
 header (back edges to one header form one loop). Loops nest by block containment, whatever the code
 layout (ptxas may place part of an inner loop after its outer loop's back edge). The *key loop* is
-the loop whose own blocks (nested loops excluded) issue the most MMA instructions (HGMMA/HMMA),
-the outermost one on a tie: the loop over the other side's tiles that does the tile's GEMMs, while
-inner loops (k_r chunks) do one GEMM each and outer loops none.
+the loop whose own blocks (nested loops excluded) issue the most MMA instructions (HMMA: mma.sync,
+sm_80+; HGMMA: Hopper's wgmma; UTC*MMA: Blackwell's tcgen05), the outermost one on a tie: the loop
+over the other side's tiles that does the tile's GEMMs, while inner loops (k_r windows) do one GEMM
+each and outer loops none.
 
 Counts are static: every instruction of the loop's blocks, each once, blocks skipped at run time by
 a branch included; ``NOP`` padding is not counted. A nested loop counts ``trips`` times per iteration
@@ -22,9 +23,7 @@ from dataclasses import dataclass, field
 
 # opcode (before the first '.') -> counted class; an opcode may belong to several classes
 CLASSES = {
-    "mma": ("HGMMA", "HMMA"),
-    "wgmma": ("HGMMA",),
-    "mma_sync": ("HMMA",),
+    "mma": ("HGMMA", "HMMA", "UTCHMMA", "UTCQMMA", "UTCIMMA", "UTCOMMA", "UTCMMA"),
     "shfl": ("SHFL",),
     "lds": ("LDS", "LDSM"),
     "sts": ("STS", "STSM"),
@@ -35,6 +34,7 @@ CLASSES = {
     "bar": ("BAR",),
     "mufu": ("MUFU",),
 }
+MMA_KINDS = (("tcgen05", CLASSES["mma"][2:]), ("wgmma", ("HGMMA",)), ("mma.sync", ("HMMA",)))
 _OPCODE_CLASS = {}
 for _cls, _ops in CLASSES.items():
     for _op in _ops:
@@ -44,6 +44,7 @@ _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z]
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
+_PREDICATE_OPERAND = re.compile(r"\s*(!?U?P[T0-9]+)\s*,")
 _ENDS_BLOCK = {"BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "KILL", "BPT"}
 _NO_FALLTHROUGH = {"BRX", "JMX", "RET", "KILL", "BPT"}  # when unpredicated, also BRA/JMP/EXIT
 
@@ -93,8 +94,13 @@ class Sass:
     loops: list  # all loops, outer before inner
 
     def mma_kind(self) -> str:
+        """The tensor-core path: ``tcgen05`` (Blackwell UTC*MMA), ``wgmma`` (Hopper HGMMA),
+        ``mma.sync`` (HMMA), else ``none (FMA)``; the newest present wins."""
         ops = {i.base for i in self.instructions}
-        return "wgmma" if "HGMMA" in ops else ("mma.sync" if "HMMA" in ops else "none")
+        for kind, opcodes in MMA_KINDS:
+            if ops & set(opcodes):
+                return kind
+        return "none (FMA)"
 
     def key_loop(self) -> Loop | None:
         candidates = [loop for loop in self.loops if loop.own_mma() > 0]
@@ -126,8 +132,12 @@ def _instructions(text: str) -> tuple:
         if opcode == "NOP":
             continue
         target = _TARGET.search(operands)
+        # a guard (@P0 BRA ...), or a branch's own predicate operand (BRA.U !UP3, `(.L_x_24))
+        guard = (predicate or "").strip().lstrip("@")
+        operand = _PREDICATE_OPERAND.match(operands) if target else None
+        guard = guard or (operand.group(1) if operand else "")
         instructions.append(Instruction(address, opcode, operands, file, line,
-                                        predicated=bool(predicate) and predicate.strip() != "@PT",
+                                        predicated=guard not in ("", "PT", "UPT"),
                                         target=target.group(1) if target else None))
     return instructions, labels
 

@@ -22,10 +22,8 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# every kernel has a config that fits Hopper's shared memory up to this head dim (bench.sm90)
+# every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
-# Philox seeds are 31-bit in the kernels
-SEED_MODULUS = 2**31 - 1
 
 
 def available() -> tuple[bool, str]:
@@ -36,6 +34,18 @@ def available() -> tuple[bool, str]:
     if version < (3, 3):
         return False, f"triton {triton.__version__} is older than 3.3"
     return True, f"triton {triton.__version__}"
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels drop a score when its random byte is below this: ``round(256 p)``, at most 255. The
+    dropout rate they apply is ``threshold / 256`` (within 1/512 of ``p``; FlashAttention-2 rounds
+    the same way) and kept values are scaled by ``1 / (1 - threshold / 256)``, so the expectation is
+    unchanged."""
+    return min(round(dropout_p * 256), 255)
+
+
+def _keep_scale(dropout_p: float) -> float:
+    return 1.0 / (1.0 - dropout_threshold(dropout_p) / 256)
 
 
 def _interpreting() -> bool:
@@ -62,10 +72,19 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
 
+def fp32_precision() -> str:
+    """How the kernels multiply fp32 inputs on a GPU, following torch's own switch for fp32 matmuls:
+    ``"tf32"`` where torch allows TF32 (``torch.backends.cuda.matmul.allow_tf32``, i.e.
+    ``torch.set_float32_matmul_precision("high")`` or ``"medium"``), else ``"tf32x3"`` (the default
+    ``"highest"``): three TF32 products per dot, about fp32's accuracy on the tensor cores. Plain
+    fp32 FMA dots are never used: they leave the kernels 32 registers and tens of KB of spill."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+
+
 def _input_precision(dtype: torch.dtype) -> str:
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not _interpreting():
-        return "tf32"
-    return "ieee"
+    if dtype != torch.float32 or _interpreting():
+        return "ieee"  # 16-bit inputs multiply exactly; the interpreter computes in numpy
+    return fp32_precision()
 
 
 def _block_d(D: int) -> int:
@@ -103,26 +122,50 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
 
 
 def _keys_table(a, B: int, K: int, device) -> torch.Tensor:
-    """(B, K padded to KEY_PAD, KEY_FIELDS) int32: segment id and rank of each key; the padding
-    keys have rank INT32_MAX (never visible), the real ones -1 when there is no rank mask."""
+    """(B, KEY_FIELDS, K padded to KEY_PAD) int32: segment id and rank of each key, one row per field;
+    the padding keys have rank INT32_MAX (never visible), the real ones -1 without a rank mask."""
     padded = triton.cdiv(K, int(_k.KEY_PAD)) * int(_k.KEY_PAD)
-    keys = torch.zeros((B, padded, int(_k.KEY_FIELDS)), dtype=torch.int32, device=device)
-    keys[:, K:, int(_k.KEY_RANK)] = INT32_MAX
-    keys[:, :K, int(_k.KEY_RANK)] = a.k_rank if a.k_rank is not None else -1
+    keys = torch.zeros((B, int(_k.KEY_FIELDS), padded), dtype=torch.int32, device=device)
+    keys[:, int(_k.KEY_RANK), K:] = INT32_MAX
+    keys[:, int(_k.KEY_RANK), :K] = a.k_rank if a.k_rank is not None else -1
     if a.k_seg is not None:
-        keys[:, :K, int(_k.KEY_SEG)] = a.k_seg.to(torch.int32)
+        keys[:, int(_k.KEY_SEG), :K] = a.k_seg.to(torch.int32)
     return keys
 
 
-def _head_table(r_w_bias, r_r_bias, a) -> torch.Tensor:
-    """(H, HEAD_FIELDS, D) fp32: r_w_bias, r_r_bias, r_s_bias, seg_embed[0], seg_embed[1]."""
-    H, D = r_w_bias.shape
-    head = torch.zeros((H, int(_k.HEAD_FIELDS), D), dtype=torch.float32, device=r_w_bias.device)
-    head[:, 0], head[:, 1] = r_w_bias.float(), r_r_bias.float()
+def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the query operands the launcher prepares (the kernels' dot operands)."""
+    return torch.float32 if dtype == torch.bfloat16 and _interpreting() else dtype
+
+
+def _in_row_order(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """(B, M, H, D) in the caller's rows -> (B, M, H, D) in the kernels' row order (``src (B, M)``)."""
+    B, M, H, D = t.shape
+    return t.gather(1, src[:, :, None, None].expand(B, M, H, D))
+
+
+def _query_operands(q, r_w_bias, r_r_bias, a, rows) -> dict:
+    """The query side every kernel reads, per row in the kernels' order (by position), computed
+    once here rather than per tile: ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise
+    with ``r_r_bias`` as (B, H, M, D) in the dot dtype (padding rows zero), and ``E`` (B, H, M,
+    E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) * scale * log2(e)`` dotted with
+    ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
+    B, M, H, D = q.shape
+    real = (rows[..., int(_k.ROW_RANK)] != INT32_MIN)[:, :, None, None]
+    q_rows = torch.where(real, _in_row_order(q, rows[..., int(_k.ROW_SRC)].long()).float(), 0.0)
+    qk_scale = a.scale * _k.LOG2E_VALUE
+    dot = _dot_torch_dtype(q.dtype)
+
+    def operand(bias):
+        return ((q_rows + bias.float()) * qk_scale).to(dot).transpose(1, 2).contiguous()
+
+    e = torch.zeros((B, H, M, int(_k.E_FIELDS)), dtype=torch.float32, device=q.device)
     if a.seg_embed is not None:
-        head[:, 2] = a.r_s_bias.float()
-        head[:, 3], head[:, 4] = a.seg_embed[0].float(), a.seg_embed[1].float()
-    return head
+        q_s = (q_rows + a.r_s_bias.float()) * qk_scale
+        seg = a.seg_embed.float()
+        e[..., int(_k.E_SAME)] = torch.einsum("bmhd,hd->bhm", q_s, seg[0])
+        e[..., int(_k.E_DELTA)] = torch.einsum("bmhd,hd->bhm", q_s, seg[1] - seg[0])
+    return dict(QW=operand(r_w_bias), QR=operand(r_r_bias), E=e)
 
 
 def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -139,7 +182,7 @@ def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     """Keyword arguments every kernel takes, by name."""
-    q, k, v, k_r = (_int32_rows(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (k_r, "k_r")))
+    k, v, k_r = (_int32_rows(t, n) for t, n in ((k, "k"), (v, "v"), (k_r, "k_r")))
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
     rows, banded_only = _rows_table(a, B, M, q.device)
@@ -152,26 +195,52 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
         masking = _k.MASK_RANKS if a.q_rank is not None else _k.MASK_NONE
         stride_mb = stride_mm = 0
     seed = int(a.seed.item()) if a.seed is not None else 0
+    keep_threshold = dropout_threshold(a.dropout_p)
     return dict(
-        Q=q, K=k, V=v, KR=k_r, HEAD=_head_table(r_w_bias, r_r_bias, a), ROWS=rows,
-        KEYS=_keys_table(a, B, K, q.device), MASK=mask,
-        stride_qb=q.stride(0), stride_qm=q.stride(1), stride_qh=q.stride(2),
-        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
+        **_query_operands(q, r_w_bias, r_r_bias, a, rows), ROWS=rows, K=k, V=v, KR=k_r,
+        KEYS=_keys_table(a, B, K, q.device), MASK=mask, stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
         stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
         stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
         stride_mb=stride_mb, stride_mm=stride_mm,
         H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * _k.LOG2E_VALUE,
-        seed=seed % SEED_MODULUS, dropout_p=float(a.dropout_p),
+        seed=seed, keep_threshold=keep_threshold,
         SEGMENTS=a.seg_embed is not None, MASKING=int(masking), BANDED_ONLY=banded_only,
-        CHECK_R=R < K + a.qlen, DROPOUT=a.dropout_p > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
+        CHECK_R=R < K + a.qlen, DROPOUT=keep_threshold > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
         DOT_DTYPE=_dot_dtype(q.dtype), INPUT_PRECISION=_input_precision(q.dtype),
     )
 
 
 
 
-def _tiles() -> dict:
-    return dict(_k.INTERPRETER_TILES) if _interpreting() else {}
+_TUNED = {"fwd": "fwd_kernel_tuned", "dkdv": "bwd_kv_kernel_tuned", "dq": "bwd_q_kernel_tuned"}
+_FIXED_CONFIGS: dict = {}
+
+
+def _run(role: str, grid, kwargs: dict, deterministic: bool) -> None:
+    """Launch kernel ``role``: at the interpreter's small tiles under TRITON_INTERPRET; in
+    deterministic mode at the first of the device's candidates that launches (timing could pick
+    another config in another run, and with it another order of float sums); else at the
+    autotuner's choice."""
+    fn = _k.KERNELS[role]
+    if _interpreting():
+        fn[grid](**kwargs, **_k.INTERPRETER_TILES)
+    elif _k.compile_target() is not None:  # the compile report records every candidate of its arch
+        for config in _k.configs_for(_k.compile_target(), kwargs["HEAD_DIM"], role):
+            fn[grid](**kwargs, **config.all_kwargs())
+    elif deterministic or role not in _TUNED:
+        key = (role, kwargs["QW"].device.index) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
+        if key not in _FIXED_CONFIGS:
+            _FIXED_CONFIGS[key] = _k.first_launchable(role, fn, kwargs)
+        fn[grid](**kwargs, **_FIXED_CONFIGS[key].all_kwargs())
+    else:
+        getattr(_k, _TUNED[role])[grid](**kwargs)
+
+
+def _smallest_tile(name: str) -> int:
+    """The smallest BLOCK_M or BLOCK_N any config may pick: partial-sum tables are sized for it."""
+    if _interpreting():
+        return _k.INTERPRETER_TILES[name]
+    return min(c.kwargs[name] for c in _k.all_configs())
 
 
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
@@ -180,11 +249,10 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
     args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
-    tiles = _tiles()
-    kernel = _k._fwd_kernel if tiles else _k.fwd_kernel_tuned
-    kernel[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H)](
-        **args, OUT=out, LSE=lse, stride_ob=out.stride(0), stride_om=out.stride(1), stride_oh=out.stride(2),
-        **tiles)
+    _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H),
+         dict(args, keep_scale=_keep_scale(a.dropout_p), OUT=out, LSE=lse, stride_ob=out.stride(0),
+              stride_om=out.stride(1), stride_oh=out.stride(2)),
+         torch.are_deterministic_algorithms_enabled())
     return out, lse
 
 
@@ -198,50 +266,72 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
         deterministic = torch.are_deterministic_algorithms_enabled()
     B, M, H, D = q.shape
     K, Br, R = k.shape[1], k_r.shape[0], k_r.shape[1]
-    if dout.stride(-1) != 1:
-        # the kernels read dO rows with a unit last-dim stride; `out.sum().backward()` hands us an
-        # expanded (stride 0) gradient, so make such a one contiguous
-        dout = dout.contiguous()
-    dout = _int32_rows(dout, "the gradient of out")
     args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
     block_d = args["BLOCK_D"]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, H, M)
-    grad_io = dict(DO=dout, LSE=lse.contiguous(), DELTA=delta, stride_dob=dout.stride(0),
-                   stride_dom=dout.stride(1), stride_doh=dout.stride(2))
+    # dO, the lse and delta = rowsum(dO * O) in the kernels' row order, per (b, h): the lse in base 2
+    # less the same-segment term that the recomputed scores leave out; dO times the dropout keep
+    # scale (dP and dV take it: 1 / (1 - rate) applied once here, not per score)
+    src = args["ROWS"][..., int(_k.ROW_SRC)].long()
+    dout_rows = _in_row_order(dout, src).float()
+    delta = (dout_rows * _in_row_order(out, src).float()).sum(-1).transpose(1, 2).contiguous()
+    src_bh = src[:, None, :].expand(B, H, M)
+    lse2 = (lse.gather(2, src_bh) * _k.LOG2E_VALUE - args["E"][..., int(_k.E_SAME)]).contiguous()
+    do = (dout_rows * _keep_scale(a.dropout_p)).to(args["QW"].dtype).transpose(1, 2).contiguous()
+    grad_io = dict(DO=do, LSE2=lse2, DELTA=delta)
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, K, H, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
     dkr = torch.zeros((Br, R, H, D), dtype=torch.float32, device=q.device)
     stride_dkrb = dkr.stride(0) if Br > 1 else 0
-    tiles = _tiles()
-    # room for the partial sums of the smallest BLOCK_M any config may pick (zeroed, unused rest)
-    n_m_tiles = triton.cdiv(M, tiles.get("BLOCK_M") or min(bm for bm, *_ in _k.CONFIGS))
-    part = torch.zeros((B * H, n_m_tiles, int(_k.PART_FIELDS), block_d), dtype=torch.float32, device=q.device)
+    # room for the partial sums of the smallest tiles any config may pick (zeroed, unused rest)
+    n_m_tiles = triton.cdiv(M, _smallest_tile("BLOCK_M"))
+    n_n_tiles = triton.cdiv(K, _smallest_tile("BLOCK_N"))
+    part = torch.zeros((B * H, n_m_tiles, block_d), dtype=torch.float32, device=q.device)
+    part_k = torch.zeros((B * H, n_n_tiles, block_d), dtype=torch.float32, device=q.device)
+    segments = a.seg_embed is not None
+    g_parts = torch.zeros((B * H, n_n_tiles, M) if segments else (1,), dtype=torch.float32, device=q.device)
 
-    kv = _k._bwd_kv_kernel if tiles else _k.bwd_kv_kernel_tuned
-    kv[lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)](**args, **grad_io, DK=dk, DV=dv, **tiles)
-    qk = _k._bwd_q_kernel if tiles else _k.bwd_q_kernel_tuned
-    qk[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H)](
-        **args, **grad_io, DQ=dq, DKR=dkr, PART=part, stride_dkrb=stride_dkrb, n_m_tiles=n_m_tiles,
-        DKR_ATOMIC=not deterministic, **tiles)
+    _run("dkdv", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H),
+         dict(args, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, n_n_tiles=n_n_tiles), deterministic)
+    # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment
+    g_diff = g_parts.sum(1).view(B, H, M) if segments else g_parts
+    seg_delta = (a.seg_embed[1] - a.seg_embed[0]).float().contiguous() if segments else g_parts
+    _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H),
+         dict(args, **grad_io, DQ=dq, DKR=dkr, PART=part, G=g_diff, SEGD=seg_delta, stride_dkrb=stride_dkrb,
+              n_m_tiles=n_m_tiles, DKR_ATOMIC=not deterministic), deterministic)
     if deterministic:
-        fixed = tiles or _k.DETERMINISTIC_TILES
         det_args = {name: val for name, val in args.items() if name != "BANDED_ONLY"}
-        _k._bwd_kr_kernel[(triton.cdiv(R, fixed["BLOCK_N"]), Br * H)](
-            **det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br, **fixed)
+        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H),
+             dict(det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br), deterministic)
 
     # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §3)
     scale = float(a.scale)
-    sums = part.view(B, H, n_m_tiles, int(_k.PART_FIELDS), block_d).sum((0, 2))[..., :D]  # (H, 6, D)
-    dr_w, dr_r = sums[:, 0] * scale, sums[:, 1] * scale
-    if a.seg_embed is not None:
-        g = sums[:, 4:6, 0] * scale  # (H, 2): scaled sums of dS over same / different-segment keys
-        seg = a.seg_embed.float()
-        dr_s = g[:, 0, None] * seg[0] + g[:, 1, None] * seg[1]
-        dseg = torch.stack([sums[:, 2], sums[:, 3]]) / _k.LOG2E_VALUE
-        dr_s, dseg = dr_s.to(a.r_s_bias.dtype), dseg.to(a.seg_embed.dtype)
+    # both biases shift q: the column sums of dQ (before the segment term) are the sum of their
+    # gradients, and the dK/dV kernel's sum_ij dS_ij k_j is r_w_bias's
+    dr_w = part_k.view(B, H, n_n_tiles, block_d).sum((0, 2))[:, :D] * scale
+    dr_r = part.view(B, H, n_m_tiles, block_d).sum((0, 2))[:, :D] * scale - dr_w
+    if segments:
+        # over keys of its own segment a row's dS sums to -g_diff; the segment term is
+        # scale * (q + r_s_bias) . seg_embed[same or not]
+        real = (args["ROWS"][..., int(_k.ROW_RANK)] != INT32_MIN)[:, :, None, None]
+        q_s = torch.where(real, _in_row_order(q, src).float() + a.r_s_bias.float(), 0.0)
+        dseg_1 = scale * torch.einsum("bhm,bmhd->hd", g_diff, q_s)
+        dr_s = (scale * g_diff.sum((0, 2))[:, None] * seg_delta).to(a.r_s_bias.dtype)
+        dseg = torch.stack([-dseg_1, dseg_1]).to(a.seg_embed.dtype)
     else:
         dr_s = torch.zeros_like(r_w_bias)
         dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
     dkr = (dkr / _k.LOG2E_VALUE).to(k_r.dtype)
     return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
+
+
+def dropout_mask(seed: int, B: int, H: int, M: int, K: int, dropout_p: float, device,
+                 block: int | None = None) -> torch.Tensor:
+    """The keep mask (B, H, M, K) bool that the kernels apply with ``seed`` and ``dropout_p`` to query
+    row m (the caller's row) and key k: for tests and debugging. ``block``: the tile width it is drawn
+    with (16 or a multiple of 64; the mask does not depend on it)."""
+    keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
+    tile = block or (16 if _interpreting() else 64)
+    _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
+        keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
+    return keep.view(B, H, M, K).bool()

@@ -24,14 +24,17 @@ tile instead of FlashAttention's 2). Tiles spanning more positions (sparse query
 general path: windows of 2*BLOCK_N k_r rows until the tile's span is covered.
 
 Softmax is online in base 2 with fp32 statistics; ``scale * log2(e)`` is folded into the query
-operands. Attention dropout uses Philox (``tl.rand``) keyed by (seed, batch*head) and counted by
-``caller_row * K + j``, regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
+operands. Attention dropout draws 16 keep/drop decisions per Philox4x32-7 call (one byte each,
+compared with ``round(256 p)``, as FlashAttention-2), in the accumulator's own layout (``_dropout_keep``),
+regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
 key tile (dK, dV) and one per query tile (dQ, dk_r by fp32 atomics — one BLOCK_N-row tile per key
 tile thanks to the same carry — and the per-tile sums that give the bias and seg_embed gradients).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import triton
 import triton.language as tl
@@ -55,19 +58,26 @@ ROW_CODE = tl.constexpr(0)
 ROW_SEG = tl.constexpr(1)
 ROW_RANK = tl.constexpr(2)
 ROW_SRC = tl.constexpr(3)
-# Per-key int32 fields of the KEYS table (B, K padded to KEY_PAD, KEY_FIELDS): segment id; rank (keys
-# past the end: INT32_MAX, never visible; so key tiles load it unmasked).
+# Per-key int32 fields of the KEYS table (B, KEY_FIELDS, K padded to KEY_PAD), one row per field so
+# that a key tile's ids load as vectors: segment id; rank (keys past the end: INT32_MAX, never
+# visible; so key tiles load it unmasked).
 KEY_PAD = tl.constexpr(128)
 KEY_FIELDS = tl.constexpr(2)
 KEY_SEG = tl.constexpr(0)
 KEY_RANK = tl.constexpr(1)
-# Per-head fp32 parameters (H, HEAD_FIELDS, D): r_w_bias, r_r_bias, r_s_bias, seg_embed[0], seg_embed[1].
-HEAD_FIELDS = tl.constexpr(5)
-# Per-(b*h, query tile) partial sums of the dQ kernel (B*H, n_m_tiles, PART_FIELDS, BLOCK_D):
-#   sum dq_w, sum dq_r, sum g0*q_s, sum g1*q_s, sum g0 (column 0), sum g1 (column 0).
-PART_FIELDS = tl.constexpr(6)
-# Philox streams: seed + (b*H + h) * DROPOUT_STREAM_STRIDE.
-DROPOUT_STREAM_STRIDE = tl.constexpr(1000003)
+# Per-row fp32 segment scores of the E table (B, H, M, E_FIELDS), rows in ROWS order:
+# (q + r_s_bias) . seg_embed[0] and (q + r_s_bias) . (seg_embed[1] - seg_embed[0]), scaled like q.
+E_FIELDS = tl.constexpr(2)
+E_SAME = tl.constexpr(0)
+E_DELTA = tl.constexpr(1)
+# Column sums that give the bias gradients, per (b*h, tile) in (B*H, tiles, BLOCK_D) tables: the dQ
+# kernel's of dq (PART; r_w_bias and r_r_bias both shift q), the dK/dV kernel's of dS K (PARTK; the
+# r_w_bias part alone).
+# Ones that multiply dS^T into its column sums on the tensor cores (the narrowest MMA width).
+COLSUM_WIDTH = tl.constexpr(16)
+# Dropout: Philox4x32 rounds (FlashAttention-2's), and the columns one call's 16 bytes cover.
+PHILOX_ROUNDS = tl.constexpr(7)
+DROPOUT_GROUP = tl.constexpr(64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,44 +86,32 @@ DROPOUT_STREAM_STRIDE = tl.constexpr(1000003)
 
 
 @triton.jit
-def _query_side(q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale,
-                HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Everything a query tile needs: positions (a padding row repeats the last real position),
-    segment ids, ranks (padding rows: INT32_MIN, they see nothing), whether the row is real, the key
-    column each row also sees (its own key, or -1), the
-    caller's row of each tile row, the query operands with their bias and ``qk_scale`` folded in
-    (``q_w``, ``q_r`` in DOT_DTYPE, ``q_s`` fp32) and the per-row segment scores for same-segment
-    keys and the difference for different-segment keys."""
+def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
+                HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr):
+    """A query tile (rows in the launcher's order): positions (a padding row repeats the last real
+    position), whether the row is real, segment ids, ranks (padding rows: INT32_MIN, they see
+    nothing), the key column each row also sees (its own key, or -1), the caller's row, the query
+    operands ``q_w``, ``q_r`` (the launcher folded the biases and ``qk_scale`` in) and the segment
+    score difference ``e_delta`` (0 without segments). ``bh_rows`` = (b * H + h) * M."""
     row_in = rows < M
     meta = rows_base + rows * ROW_FIELDS
     code = tl.load(meta + ROW_CODE, mask=row_in, other=0)
     src_row = tl.load(meta + ROW_SRC, mask=row_in, other=0)
     rank_q = tl.load(meta + ROW_RANK, mask=row_in, other=INT32_MIN)
-    # padding rows (rank INT32_MIN: they see nothing) read no query data
     row_ok = row_in & (rank_q != INT32_MIN)
     pos = code >> 1
     own_col = tl.where((code & 1) == 1, N_KEYS - qlen + pos, -1)
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_base + src_row[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    r_w = tl.load(head_base + offs_d, mask=d_ok, other=0.0)
-    r_r = tl.load(head_base + HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-    q_w = ((q + r_w[None, :]) * qk_scale).to(DOT_DTYPE)
-    q_r = ((q + r_r[None, :]) * qk_scale).to(DOT_DTYPE)
+    tile = (bh_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :]
+    in_tile = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q_w = tl.load(QW + tile, mask=in_tile, other=0.0)
+    q_r = tl.load(QR + tile, mask=in_tile, other=0.0)
     if SEGMENTS:
-        r_s = tl.load(head_base + 2 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        q_s = (q + r_s[None, :]) * qk_scale
-        e_same = tl.sum(q_s * seg0[None, :], axis=1)
-        e_delta = tl.sum(q_s * (seg1 - seg0)[None, :], axis=1)
         seg_q = tl.load(meta + ROW_SEG, mask=row_in, other=0)
+        e_delta = tl.load(E + (bh_rows + rows) * E_FIELDS + E_DELTA, mask=row_in, other=0.0)
     else:
-        q_s = q
-        e_same = tl.sum(q * 0.0, axis=1)
-        e_delta = e_same
         seg_q = rows
-    return pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta
+        e_delta = tl.zeros(rows.shape, tl.float32)
+    return pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta
 
 
 @triton.jit
@@ -124,14 +122,15 @@ def _padded_keys(N_KEYS):
 @triton.jit
 def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tile's first and last positions (rows are sorted by position and padding rows repeat the
-    last real position, so two scalar loads), whether the tile is banded (its positions span
-    < BLOCK_M values), and the loop-invariant flat gather index of a banded tile: row i, key
-    column jj reads window column ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window."""
+    last real position, so two scalar loads), whether the tile is banded, and the loop-invariant
+    flat gather index of a banded tile: row i, key column jj reads window column
+    ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window. That column stays inside the window
+    when the tile's positions span at most BLOCK_N + 1 values: that is what banded means."""
     p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> 1
     p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> 1
-    banded = p_hi - p_lo < BLOCK_M
+    banded = p_hi - p_lo <= BLOCK_N
     # rows past M (masked) may have any position: keep their index in range
-    lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_M - 1)
+    lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_N)
     local = tl.arange(0, BLOCK_M)
     flat_idx = local[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :] + lag[:, None]
     return p_hi, p_lo, banded, lag, flat_idx
@@ -187,16 +186,15 @@ def _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, o
 
 @triton.jit
 def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_base, stride_mm,
-                   pos, n0, qlen, R, SEGMENTS: tl.constexpr, MASKING: tl.constexpr,
+                   pos, n0, N_KEYS, qlen, R, SEGMENTS: tl.constexpr, MASKING: tl.constexpr,
                    CHECK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add the segment term to ``ac + bd`` (already scaled, log2 domain) and mask: -inf where a key
     is not visible. The segment term's per-row part for same-segment keys is left out: a constant
     per row does not change the softmax (the launcher's lse adds it back)."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    # one load for both fields: (BLOCK_N, KEY_FIELDS) split into segment ids and ranks
-    key_meta = tl.load(keys_base + cols[:, None] * KEY_FIELDS + tl.arange(0, KEY_FIELDS)[None, :])
-    seg_k, rank_k = tl.split(key_meta)
+    rank_k = tl.load(keys_base + KEY_RANK * _padded_keys(N_KEYS) + cols)
     if SEGMENTS:
+        seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
         s += tl.where(seg_q[:, None] != seg_k[None, :], e_delta[:, None], 0.0)
     # ranks are always there: padding rows have rank INT32_MIN, keys past the end INT32_MAX
     visible = (rank_k[None, :] < rank_q[:, None]) | (cols[None, :] == own_col[:, None])
@@ -209,9 +207,46 @@ def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_
 
 
 @triton.jit
-def _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p):
-    offsets = src_row[:, None] * N_KEYS + cols[None, :]
-    return tl.rand(seed + pid_bh * DROPOUT_STREAM_STRIDE, offsets) >= dropout_p
+def _philox_bytes(seed, group, src_row, pid_bh, BLOCK_M: tl.constexpr, N_GROUPS: tl.constexpr):
+    """(BLOCK_M, N_GROUPS, 16) bytes (int32): the Philox4x32-7 output for counter (group, caller row,
+    batch * H + head, 0) and key ``seed``, its four words little-endian (byte u = 4 * word + k)."""
+    zero = tl.zeros((BLOCK_M, N_GROUPS), tl.uint32)
+    c0 = zero + tl.expand_dims(group.to(tl.uint32), 0)
+    c1 = zero + tl.expand_dims(src_row.to(tl.uint32), 1)
+    x0, x1, x2, x3 = tl.philox(seed, c0, c1, zero + pid_bh.to(tl.uint32), zero, n_rounds=PHILOX_ROUNDS)
+    # join(join(a, c), join(b, d)) flattens to a, b, c, d
+    words = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BLOCK_M, N_GROUPS, 4))
+    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24))
+    return tl.reshape(b, (BLOCK_M, N_GROUPS, 16)).to(tl.int32)
+
+
+@triton.jit
+def _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask (BLOCK_M, BLOCK_N) of key columns ``n0 .. n0 + BLOCK_N``: element (row, j) keeps
+    when byte ``2 * ((j % 64) // 8) + j % 2`` of call ``4 * (j // 64) + (j % 8) // 2`` (rows by the
+    caller's index) is at least ``keep_threshold`` = round(256 p). A thread of the MMA accumulator
+    holds columns 8k + 2t + {0, 1} for one t: those 16 columns of a 64-column group come from one
+    call, so the bytes reach it without leaving its registers."""
+    if BLOCK_N >= DROPOUT_GROUP:
+        N_GROUPS: tl.constexpr = BLOCK_N // 16
+        b = _philox_bytes(seed, tl.arange(0, N_GROUPS) + n0 // 16, src_row, pid_bh, BLOCK_M, N_GROUPS)
+        # (row, group g, t, k, e) -> (row, g, k, t, e): column 64 g + 8 k + 2 t + e
+        b = tl.permute(tl.reshape(b, (BLOCK_M, BLOCK_N // 64, 4, 8, 2)), (0, 1, 3, 2, 4))
+        b = tl.reshape(b, (BLOCK_M, BLOCK_N))
+    else:
+        # narrow tiles: draw the tile's whole 64-column group and keep the tile's part of it
+        b = _philox_bytes(seed, tl.arange(0, 4) + (n0 // DROPOUT_GROUP) * 4, src_row, pid_bh, BLOCK_M, 4)
+        part = (n0 - (n0 // DROPOUT_GROUP) * DROPOUT_GROUP) // BLOCK_N  # which BLOCK_N columns of 64
+        if BLOCK_N == 32:
+            # (row, t, half h, k, e) -> (row, k, t, e, h): column 32 h + 8 k + 2 t + e; pick h
+            halves = tl.permute(tl.reshape(b, (BLOCK_M, 4, 2, 4, 2)), (0, 3, 1, 4, 2))
+            lo, hi = tl.split(tl.reshape(halves, (BLOCK_M, BLOCK_N, 2)))
+            b = tl.where(part == 1, hi, lo)
+        else:
+            b = tl.reshape(tl.permute(tl.reshape(b, (BLOCK_M, 4, 8, 2)), (0, 2, 1, 3)),
+                           (BLOCK_M, DROPOUT_GROUP // BLOCK_N, BLOCK_N))
+            b = tl.sum(tl.where(tl.arange(0, DROPOUT_GROUP // BLOCK_N)[None, :, None] == part, b, 0), axis=1)
+    return b >= keep_threshold
 
 
 @triton.jit
@@ -231,14 +266,15 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, dropout_p,
-            DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr):
-    """One key tile of the forward after its scores: online softmax, dropout, acc += P V."""
+def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, keep_threshold,
+            DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One key tile of the forward after its scores: online softmax, dropout, acc += P V (the kept
+    probabilities unscaled: the kernel scales the output by 1 / (1 - rate) once)."""
     prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, src_row, n0 + tl.arange(0, BLOCK_N), N_KEYS, dropout_p)
-        prob = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
+        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        prob = tl.where(keep, prob, 0.0)
     v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     return acc, m_i, l_i
@@ -246,10 +282,10 @@ def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_b
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, OUT, LSE,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
-    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, OUT, LSE,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
+    stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
+    H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, keep_scale,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -259,7 +295,8 @@ def _fwd_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     # base pointers of this (batch row, head), offset once
-    q_base = Q + b * stride_qb + h * stride_qh
+    bh_rows = pid_bh.to(tl.int64) * M
+    rows_base = ROWS + b * M * ROW_FIELDS
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     kr_base = KR + b * stride_rb + h * stride_rh
@@ -268,13 +305,13 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
-    # 1. query side: operands with bias and scale folded in, per-row metadata
-    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
-        q_base, stride_qm, ROWS + b * M * ROW_FIELDS, HEAD + h * HEAD_FIELDS * HEAD_DIM, rows, offs_d,
-        M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
-    if BANDED_ONLY:  # every tile is banded: compile the banded path alone
-        banded = True
+    # 1. query side: the launcher's operands (bias and scale folded in), per-row metadata
+    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+        QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
+        if BLOCK_M <= BLOCK_N:
+            banded = True
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -285,35 +322,39 @@ def _fwd_kernel(
         raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
             raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            # the content term accumulates onto the relative one: the window is dead by then
+            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, dropout_p, DROPOUT, HEAD_DIM, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
-    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    out = acc * (keep_scale / tl.where(has_key, l_i, 1.0))[:, None]
     out_ptrs = OUT + b * stride_ob + h * stride_oh + src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (offs_d < HEAD_DIM)[None, :])
     # natural-log lse of the scaled scores; +inf marks a row with no visible key
     # (the scores left out the same-segment term e_same: a per-row constant, added back here)
-    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0)) + e_same) / LOG2E, float("inf"))
+    lse2 = m_i + tl.log2(tl.where(has_key, l_i, 1.0))
+    if SEGMENTS:
+        lse2 += tl.load(E + (bh_rows + rows) * E_FIELDS + E_SAME, mask=rows < M, other=0.0)
+    lse = tl.where(has_key, lse2 / LOG2E, float("inf"))
     tl.store(LSE + pid_bh.to(tl.int64) * M + src_row, lse, mask=rows < M)
 
 
@@ -323,32 +364,31 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
-               DROPOUT: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+               DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr):
     """From a recomputed score tile (log2 domain): the (dropped) probabilities that multiplied V,
     and dS = P * (dP - delta) with respect to the natural-log scores, unscaled."""
     prob = tl.exp2(s - lse2[:, None])  # lse2 = +inf on rows with no visible key -> 0
     dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, src_row, cols, N_KEYS, dropout_p)
-        prob_d = tl.where(keep, prob / (1.0 - dropout_p), 0.0)
-        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        prob_d = tl.where(keep, prob, 0.0)
+        dp = tl.where(keep, dp, 0.0)
     else:
         prob_d = prob
     return prob_d, prob * (dp - delta[:, None])
 
 
 @triton.jit
-def _unskew_pair(ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Inverse of the banded skew: dS (BLOCK_M, BLOCK_N) over keys -> its two halves over the
-    window's k_r rows: ``lo[i, c] = dS[i, c - lag_i]``, ``hi[i, c] = dS[i, c + BLOCK_N - lag_i]``,
-    0 where that key is outside the tile. Both read flat column ``BLOCK_N + c - lag_i``
-    (``unskew_idx``) of dS placed beside a zero tile: after it (lo) or before it (hi), so the zeros
-    come from the gather itself and no mask is needed."""
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    lo = tl.gather(tl.reshape(tl.permute(tl.join(zeros, ds), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N]), unskew_idx, axis=0)
-    hi = tl.gather(tl.reshape(tl.permute(tl.join(ds, zeros), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N]), unskew_idx, axis=0)
-    return tl.reshape(lo, [BLOCK_M, BLOCK_N]), tl.reshape(hi, [BLOCK_M, BLOCK_N])
+def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Inverse of the banded skew for the lower half of a key tile's k_r window: ``out[i, c]`` is
+    the dS of the key whose k_r row is window row c: ``ds[i, c - lag_i]`` when ``c >= lag_i``, else
+    the previous key tile's ``ds_prev[i, BLOCK_N + c - lag_i]`` (its window's upper half is this
+    one's lower half). With ``[ds_prev | ds]`` side by side that is flat column
+    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather."""
+    window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N])
+    return tl.reshape(tl.gather(window, unskew_idx, axis=0), [BLOCK_M, BLOCK_N])
 
 
 @triton.jit
@@ -365,15 +405,14 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _bwd_rows(DO, LSE, DELTA, pid_bh, do_base, stride_dom, src_row, row_ok, e_same, offs_d,
-              M, HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """dO rows (DOT_DTYPE), delta and the base-2 lse of a query tile (caller's rows), the lse less
-    the per-row segment term that the recomputed scores leave out."""
-    do = tl.load(do_base + src_row[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-                 mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0).to(DOT_DTYPE)
-    row_stats = pid_bh.to(tl.int64) * M + src_row
-    lse2 = tl.load(LSE + row_stats, mask=row_ok, other=float("inf")) * LOG2E - e_same
-    delta = tl.load(DELTA + row_stats, mask=row_ok, other=0.0)
+def _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM: tl.constexpr):
+    """dO rows, the base-2 lse (less the same-segment term the recomputed scores leave out) and
+    delta of a query tile, all prepared by the launcher in the tile's row order."""
+    row_in = rows < M
+    do = tl.load(DO + (bh_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :],
+                 mask=row_in[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    lse2 = tl.load(LSE2 + bh_rows + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + bh_rows + rows, mask=row_ok, other=0.0)
     return do, lse2, delta
 
 
@@ -384,39 +423,43 @@ def _dkr_atomic(dkr_base, stride_row, first, R, dsc, q_r, offs_d, ROWS: tl.const
     part = tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
     c_rows = first + tl.arange(0, ROWS)
     ok = ((c_rows >= 0) & (c_rows < R))[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tl.atomic_add(dkr_base + c_rows[:, None] * stride_row + offs_d[None, :], part, mask=ok, sem="relaxed")
+    # one scalar base per call and int32 offsets: 64-bit pointers per element kept across the key
+    # loop would hold two registers each
+    in_tile = tl.arange(0, ROWS)[:, None] * stride_row + offs_d[None, :]
+    tl.atomic_add((dkr_base + first * stride_row) + in_tile, part, mask=ok, sem="relaxed")
 
 
 @triton.jit
-def _segment_sums(ds, seg_q, keys_base, cols, g_diff):
-    """Row sums of dS over the keys of another segment. (Over all keys a row of dS sums to 0:
-    sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum is -g_diff.)"""
-    seg_k = tl.load(keys_base + cols * KEY_FIELDS + KEY_SEG)
-    return g_diff + tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
+def _other_segment_sums(ds, seg_q, keys_base, cols, N_KEYS):
+    """Row sums of a dS tile over its keys of another segment than the row's. (Over all keys a row
+    of dS sums to 0: sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum is minus
+    the other-segment one.)"""
+    seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
+    return tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
 
 
 @triton.jit
 def _bwd_kv_kernel(
-    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DK, DV, GP, PARTK,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
+    stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_n_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """One key tile: dK and dV over all query tiles. DK/DV are (B, K, H, D) contiguous."""
+    """One key tile: dK and dV over all query tiles (DK/DV are (B, K, H, D) contiguous); in PARTK
+    (B*H, n_n_tiles, BLOCK_D) the tile's part of sum_ij dS_ij k_j (the r_w_bias gradient); with
+    segments each query row's sum of dS over this tile's keys of another segment, in GP
+    (B*H, n_n_tiles, M) at the kernels' row order (the launcher sums over key tiles)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
-    q_base = Q + b * stride_qb + h * stride_qh
+    bh_rows = pid_bh.to(tl.int64) * M
+    rows_base = ROWS + b * M * ROW_FIELDS
     kr_base = KR + b * stride_rb + h * stride_rh
-    do_base = DO + b * stride_dob + h * stride_doh
     keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
     mask_base = MASK + b * stride_mb
-    rows_base = ROWS + b * M * ROW_FIELDS
-    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     offs_d = tl.arange(0, BLOCK_D)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -424,30 +467,41 @@ def _bwd_kv_kernel(
     v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    # column sums of dS (every column of the product holds them)
+    ones = tl.full((BLOCK_M, COLSUM_WIDTH), 1.0, DOT_DTYPE)
+    col_sums = tl.zeros((BLOCK_N, COLSUM_WIDTH), tl.float32)
     for m0 in range(0, M, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
-            q_base, stride_qm, rows_base, head_base, rows, offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-        p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, m0, M, BLOCK_M, BLOCK_N)
+        pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+            QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
+        p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, m0, M, BLOCK_M, BLOCK_N)
         if BANDED_ONLY:
-            banded = True
-        s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
+            if BLOCK_M <= BLOCK_N:
+                banded = True
         if banded:
             # one window of 2*BLOCK_N k_r rows anchored at the tile's last position
             kr = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
             raw = tl.dot(q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
+            bd = _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
         else:
-            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+        s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
         s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-        do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, do_base, stride_dom, src_row, row_ok,
-                                    e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
-        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS, dropout_p,
-                                DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+                           pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+        do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
+        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
         dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
-        dk += tl.dot(tl.trans(ds.to(DOT_DTYPE)), q_w, input_precision=INPUT_PRECISION)
+        ds_t = tl.trans(ds.to(DOT_DTYPE))
+        dk += tl.dot(ds_t, q_w, input_precision=INPUT_PRECISION)
+        col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
+        if SEGMENTS:
+            tl.store(GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows,
+                     _other_segment_sums(ds, seg_q, keys_base, cols, N_KEYS), mask=rows < M)
+    col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
+    tl.store(PARTK + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * BLOCK_D + offs_d,
+             tl.sum(col_sum[:, None] * k.to(tl.float32), axis=0))
     # q_w carries qk_scale = scale * log2(e); dK needs scale alone
     out_off = (b * N_KEYS * H + h) * HEAD_DIM + cols[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :]
     kv_ok = (cols < N_KEYS)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -457,130 +511,108 @@ def _bwd_kv_kernel(
 
 @triton.jit
 def _bwd_q_kernel(
-    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DQ, DKR, PART,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, n_m_tiles,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, G, SEGD,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
+    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_m_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
-    sums for the bias and seg_embed gradients in PART. Gradients here are with respect to the
-    log2-domain operands; the launcher applies the scale."""
+    column sums of dq (before the segment term) in PART (B*H, n_m_tiles, BLOCK_D). With segments,
+    G (B, H, M) holds each row's sum of dS over keys of another segment (from the dK/dV kernel).
+    Gradients here are with respect to the log2-domain operands; the launcher applies the scale."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
+    bh_rows = pid_bh.to(tl.int64) * M
+    rows_base = ROWS + b * M * ROW_FIELDS
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     kr_base = KR + b * stride_rb + h * stride_rh
     dkr_base = DKR + b * stride_dkrb + h * HEAD_DIM
     keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
     mask_base = MASK + b * stride_mb
-    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    q_base = Q + b * stride_qb + h * stride_qh
-    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
-        q_base, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows, offs_d,
-        M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-    do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh, stride_dom,
-                                src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, ROWS + b * M * ROW_FIELDS, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+        QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
+    do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
+    p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:
-        banded = True
-    # the content and relative parts of dQ apart: their row sums give dr_w and dr_r
-    dq_w = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    dq_r = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    g_diff = tl.zeros((BLOCK_M,), tl.float32)
+        if BLOCK_M <= BLOCK_N:
+            banded = True
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dkr_stride_row = H * HEAD_DIM
     if banded:
-        # the scores take a fresh 2*BLOCK_N window per key tile (carrying its product as the forward
-        # does costs more registers than the extra dot); the k_r rows and dS of the lower half carry
-        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
-        dsc_carry = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        # the k_r rows of a window's lower half carry from the key tile before (its upper half), and
+        # so does dS: the window rows of the lower half read this tile's dS and the previous one's
+        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+        ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
         unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + BLOCK_N
                                 + tl.arange(0, BLOCK_N)[None, :] - lag[:, None], [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
-            kr_win = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
-            raw = tl.dot(q_r, tl.trans(kr_win.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
+            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
+                               HEAD_DIM).to(DOT_DTYPE)
+            raw_lo = tl.dot(q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
+            raw_hi = tl.dot(q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
+            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
-            dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
-            dsc_lo, dsc_hi = _unskew_pair(ds, unskew_idx, BLOCK_M, BLOCK_N)
-            # the lower half's rows are complete now: the previous tile's upper half plus this one's
-            dsc = dsc_lo + dsc_carry
-            dq_r = tl.dot(dsc.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+            ds_cur = ds.to(DOT_DTYPE)
+            dq = tl.dot(ds_cur, k, dq, input_precision=INPUT_PRECISION)
+            dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
+            dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
             if DKR_ATOMIC:
                 _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, q_r, offs_d,
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-            if SEGMENTS:
-                g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_diff)
-            dsc_carry = dsc_hi
+            ds_prev = ds_cur
             kr_lo = kr_hi
         # the last window's upper half
-        dq_r = tl.dot(dsc_carry.to(DOT_DTYPE), kr_lo.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+        dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N)
+        dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
             _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R,
-                        dsc_carry, q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                        dsc, q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                    dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
-            dq_w = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq_w, input_precision=INPUT_PRECISION)
+            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+            dq = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
             c_first = qlen + n0 - p_hi
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
             for c0 in range(c_first, c_end, 2 * BLOCK_N):
                 kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
                 dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
-                dq_r = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq_r, input_precision=INPUT_PRECISION)
+                dq = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
                 if DKR_ATOMIC:
                     _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
                                 DOT_DTYPE, INPUT_PRECISION)
-            if SEGMENTS:
-                g_diff = _segment_sums(ds, seg_q, keys_base, cols, g_diff)
 
-    # dQ = scale * (dS K + dS_shifted K_r + g . seg_embed); sums for the bias gradients
-    dq = dq_w + dq_r
-    part_base = PART + (pid_bh.to(tl.int64) * n_m_tiles + pid_m) * PART_FIELDS * BLOCK_D + offs_d
-    tl.store(part_base, tl.sum(dq_w, axis=0))
-    tl.store(part_base + BLOCK_D, tl.sum(dq_r, axis=0))
+    # dQ = scale * (dS K + dS_shifted K_r + g_diff (seg_embed[1] - seg_embed[0])): rows' dS over
+    # same-segment keys sum to -g_diff (a row of dS sums to 0); column sums for the bias gradients
+    tl.store(PART + (pid_bh.to(tl.int64) * n_m_tiles + pid_m) * BLOCK_D + offs_d, tl.sum(dq, axis=0))
     if SEGMENTS:
-        g_same = -g_diff
-        seg0 = tl.load(head_base + 3 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        seg1 = tl.load(head_base + 4 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        dq += g_same[:, None] * seg0[None, :] + g_diff[:, None] * seg1[None, :]
-        # sum_i g_s(i) q_s(i) for s = same, different (g_same = -g_diff). q_s is not kept through the
-        # key loop (a BLOCK_M x D fp32 tile of registers): the query rows are read again. It carries
-        # qk_scale; the launcher divides by log2(e).
-        q = tl.load(q_base + src_row[:, None] * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        r_s = tl.load(head_base + 2 * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-        diff_sum = tl.sum(g_diff[:, None] * ((q + r_s[None, :]) * qk_scale), axis=0)
-        tl.store(part_base + 2 * BLOCK_D, -diff_sum)
-        tl.store(part_base + 3 * BLOCK_D, diff_sum)
-        first = offs_d == 0
-        tl.store(part_base + 4 * BLOCK_D, tl.where(first, tl.sum(g_same, axis=0), 0.0))
-        tl.store(part_base + 5 * BLOCK_D, tl.where(first, tl.sum(g_diff, axis=0), 0.0))
+        g_diff = tl.load(G + bh_rows + rows, mask=rows < M, other=0.0)
+        seg_delta = tl.load(SEGD + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        dq += g_diff[:, None] * seg_delta[None, :]
     dq_ptrs = DQ + ((b * M + src_row[:, None].to(tl.int64)) * H + h) * HEAD_DIM + offs_d[None, :]
     # padding rows too (their gradient is 0)
     tl.store(dq_ptrs, (dq * (qk_scale / LOG2E)).to(DQ.dtype.element_ty), mask=(rows < M)[:, None] & d_ok[None, :])
@@ -588,10 +620,9 @@ def _bwd_q_kernel(
 
 @triton.jit
 def _bwd_kr_kernel(
-    Q, K, V, KR, HEAD, ROWS, KEYS, MASK, DO, LSE, DELTA, DKR,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_rb, stride_rr, stride_rh, stride_mb, stride_mm, stride_dob, stride_dom, stride_doh,
-    stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, dropout_p, batch_per_kr,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DKR,
+    stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
+    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, batch_per_kr,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -605,20 +636,19 @@ def _bwd_kr_kernel(
     c0 = pid_c * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    head_base = HEAD + h * HEAD_FIELDS * HEAD_DIM
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for bi in range(0, batch_per_kr):
         b = br * batch_per_kr + bi
         pid_bh = (b * H + h).to(tl.int32)
+        bh_rows = pid_bh.to(tl.int64) * M
+        rows_base = ROWS + b * M * ROW_FIELDS
         kr_base = KR + b * stride_rb + h * stride_rh
         keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
         for m0 in range(0, M, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, q_s, e_same, e_delta = _query_side(
-                Q + b * stride_qb + h * stride_qh, stride_qm, ROWS + b * M * ROW_FIELDS, head_base, rows,
-                offs_d, M, N_KEYS, qlen, qk_scale, HEAD_DIM, SEGMENTS, DOT_DTYPE)
-            do, lse2, delta = _bwd_rows(DO, LSE, DELTA, pid_bh, DO + b * stride_dob + h * stride_doh,
-                                        stride_dom, src_row, row_ok, e_same, offs_d, M, HEAD_DIM, DOT_DTYPE)
+            pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+                QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
+            do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
             p_hi = tl.max(tl.where(row_ok, pos, -1), axis=0)
             p_lo = tl.min(tl.where(row_ok, pos, qlen), axis=0)
             # keys j whose k_r row qlen + j - p_i falls in [c0, c0 + BLOCK_N)
@@ -630,13 +660,13 @@ def _bwd_kr_kernel(
                                HEAD_DIM).to(DOT_DTYPE)
                 v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
                                HEAD_DIM)
-                s = tl.dot(q_w, tl.trans(k), input_precision=INPUT_PRECISION)
-                s += _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-                s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb, stride_mm,
-                               pos, n0, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, cols, N_KEYS,
-                                        dropout_p, DROPOUT, DOT_DTYPE, INPUT_PRECISION)
+                s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+                s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb,
+                                   stride_mm, pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                        DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
                 dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
                 acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
@@ -644,29 +674,192 @@ def _bwd_kr_kernel(
              acc, mask=(c_rows < R)[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _dropout_mask_kernel(KEEP, seed, keep_threshold, M, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """KEEP (B*H, M, N_KEYS) uint8: the keep mask the attention kernels apply (caller rows)."""
+    pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep = _dropout_keep(seed, pid_bh, rows, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
+    ptrs = KEEP + (pid_bh.to(tl.int64) * M + rows[:, None]) * N_KEYS + cols[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(rows < M)[:, None] & (cols < N_KEYS)[None, :])
+
+
 # --------------------------------------------------------------------------------------------------
 # Autotuning
 # --------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Banded tiles need BLOCK_M <= BLOCK_N. Every config is
-# a wgmma config on sm_90 (BLOCK_M >= 64). At D = 64 each kernel has one that does not spill:
-# forward 128x64 w8 s2, dK/dV 128x64 w8 s1, dQ 64x64 w8 s2. At D = 128 only the single-stage 64x64
-# one fits the backward kernels in shared memory. `python -m bench.sm90` reports registers, spills, shared
-# memory and instructions per score for each (bench/NOTES.md has the numbers).
-CONFIGS = ((128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1))
+# Candidate configs per arch family and kernel, best guess first (at D = 64), named
+# BLOCK_M x BLOCK_N, warps, stages, and ``r<N>`` for a register cap; banded tiles need
+# BLOCK_M <= BLOCK_N. The autotuner times those that launch on the device (`_prune`).
+# `python -m bench.compile_report` compiles every candidate for every arch (registers, spills,
+# shared memory, instructions per score against FlashAttention-2 at the same config: bench/NOTES.md).
+# Families with mma.sync (sm_80/86/89/120) cap registers at 255: left to itself, ptxas gives some
+# of their builds 32 registers and ~30 KB of spill. The 99 KB-shared-memory GPUs (sm_86/89/120)
+# take narrower tiles; sm_100 builds no two-stage dK/dV (triton 3.6's pipeliner fails on it).
+CANDIDATES = {
+    80: {"fwd": ("64x64w4s2r255", "64x64w4s1r255", "32x64w4s1r255", "64x128w8s1r255", "32x32w2s2r255"),
+         "dkdv": ("32x32w2s2r255", "64x64w4s1r255", "32x32w4s1r255", "64x64w4s2r255", "32x32w4s2r255"),
+         "dq": ("32x32w4s1r255", "64x64w4s1r255", "32x32w4s2r255", "32x32w2s2r255", "64x64w8s2r255"),
+         "dkr": ("32x32w4s1r255", "32x32w2s2r255", "32x64w4s1r255", "64x64w4s1r255")},
+    86: {"fwd": ("64x64w4s2r255", "64x64w4s1r255", "32x64w4s1r255", "64x128w8s1r255", "32x32w2s2r255"),
+         "dkdv": ("32x32w2s2r255", "64x64w4s1r255", "32x32w4s1r255", "32x32w4s2r255"),
+         "dq": ("32x32w4s1r255", "32x32w4s2r255", "32x32w2s2r255", "64x64w4s1r255"),
+         "dkr": ("32x32w4s1r255", "32x32w2s2r255", "32x64w4s1r255", "32x32w4s2r255")},
+    90: {"fwd": ("64x64w4s1", "64x64w4s2", "64x128w4s1", "32x64w4s1"),
+         "dkdv": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w2s2"),
+         "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2"),
+         "dkr": ("64x64w4s2", "64x64w4s1", "32x64w4s1", "32x32w4s1")},
+    100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1"),
+          "dkdv": ("64x64w4s1", "32x64w4s1", "64x128w8s1", "32x32w2s2"),
+          "dq": ("64x64w8s2", "64x64w4s1", "32x64w4s1", "32x32w4s1", "64x128w8s1"),
+          "dkr": ("64x64w4s1", "32x64w4s1", "32x32w4s1")},
+}
+CANDIDATES[120] = CANDIDATES[86]  # RTX 50: the same 99 KB of shared memory and mma.sync
+ROLES = ("fwd", "dkdv", "dq", "dkr")
 # Tiles under the CPU interpreter (small shapes, fast to interpret).
 INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-# The deterministic dk_r kernel runs at one config (its grid is over k_r tiles).
-DETERMINISTIC_TILES = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+# Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
+# launch above either raises OutOfResources (triton's own check at launch).
+SHARED_MEMORY_PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448,
+                           103: 232_448, 120: 101_376, 121: 101_376}
+TMEM_COLUMNS = 512
 
 
-def configs() -> list:
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in CONFIGS]
+def arch_family(arch: int) -> int:
+    """The arch whose candidate configs serve ``arch`` (80, 86, 90, 100 or 120; below sm_80, 80's)."""
+    if arch >= 120:
+        return 120
+    if arch >= 100:
+        return 100
+    if arch >= 90:
+        return 90
+    return 86 if arch in (86, 89) else 80
+
+
+def shared_memory_limit(arch: int) -> int:
+    return SHARED_MEMORY_PER_BLOCK.get(arch, SHARED_MEMORY_PER_BLOCK[arch_family(arch)])
+
+
+def launchable(arch: int, smem_bytes: int, tmem_columns: int | None = None) -> bool:
+    """Whether a binary using this much shared memory (and tensor memory) launches on ``arch``."""
+    return smem_bytes <= shared_memory_limit(arch) and (tmem_columns or 0) <= TMEM_COLUMNS
+
+
+def config_name(config: triton.Config) -> str:
+    """``128x64w8s2`` (``...r232`` with a register cap)."""
+    kw = config.kwargs
+    cap = f"r{config.maxnreg}" if getattr(config, "maxnreg", None) else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}w{config.num_warps}s{config.num_stages}{cap}"
+
+
+def _config(name: str) -> triton.Config:
+    """The config named like ``128x64w8s2`` or ``32x32w4s1r255``."""
+    tiles, rest = name.split("w")
+    block_m, block_n = (int(x) for x in tiles.split("x"))
+    warps, rest = rest.split("s")
+    stages, _, maxnreg = rest.partition("r")
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=int(warps), num_stages=int(stages),
+                         maxnreg=int(maxnreg) if maxnreg else None)
+
+
+def all_configs() -> list:
+    """Every config any arch may use: the autotuners' full lists (``configs_for`` picks per device)."""
+    names = dict.fromkeys(name for roles in CANDIDATES.values() for names in roles.values() for name in names)
+    return [_config(name) for name in names]
+
+
+def configs_for(arch: int, head_dim: int, role: str) -> list:
+    """The candidate configs of kernel ``role`` on ``arch``, best guess first; those that do not fit
+    the device at ``head_dim`` are dropped at launch (``_prune``) and flagged by the compile report."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return [_config(name) for name in CANDIDATES[arch_family(arch)][role]]
+
+
+_TARGET_ARCH: int | None = None
+
+
+@contextlib.contextmanager
+def compiling_for(arch: int):
+    """Inside, the autotuners' pruning assumes a device of ``arch`` and does not compile to check
+    launchability (``bench.compile_report`` compiles every candidate itself and applies
+    ``launchable``)."""
+    global _TARGET_ARCH
+    saved, _TARGET_ARCH = _TARGET_ARCH, arch
+    try:
+        yield
+    finally:
+        _TARGET_ARCH = saved
+
+
+def compile_target() -> int | None:
+    """The arch ``compiling_for`` set, or None."""
+    return _TARGET_ARCH
+
+
+def _device_arch(device) -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _prune(role: str, fn):
+    """``early_config_prune`` for kernel ``role``: the device's candidates among the autotuner's
+    configs (all of them if it was pinned to others), then those that launch on the device (each
+    compiled: the autotuner would compile it to time it anyway)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        arch = _TARGET_ARCH if _TARGET_ARCH is not None else _device_arch(args["QW"].device)
+        given = {config_name(c): c for c in configs}
+        chosen = [given[name] for name in map(config_name, configs_for(arch, args["HEAD_DIM"], role))
+                  if name in given] or list(configs)
+        if _TARGET_ARCH is not None:
+            return chosen
+        fits = [c for c in chosen if _launches_on_device(fn, args, c)]
+        if not fits:
+            raise RuntimeError(f"no {role} kernel config fits this GPU (sm_{arch}, HEAD_DIM={args['HEAD_DIM']}): "
+                               f"tried {[config_name(c) for c in chosen]}")
+        return fits
+
+    return prune
+
+
+def first_launchable(role: str, fn, args: dict) -> triton.Config:
+    """The first of the device's candidates for ``role`` that launches: what deterministic mode runs
+    (timing would let the config, and with it the order of float sums, vary from run to run)."""
+    arch = _device_arch(args["QW"].device)
+    for config in configs_for(arch, args["HEAD_DIM"], role):
+        if _launches_on_device(fn, args, config):
+            return config
+    raise RuntimeError(f"no {role} kernel config fits this GPU (sm_{arch}, HEAD_DIM={args['HEAD_DIM']})")
+
+
+def _launches_on_device(fn, args: dict, config) -> bool:
+    """Compile ``fn`` for ``config`` (no launch) and apply triton's launch-time resource checks."""
+    from triton.runtime import driver
+
+    kernel = fn.warmup(**args, **config.all_kwargs(), grid=(1,))
+    device = driver.active.get_current_device()
+    limit = driver.active.utils.get_device_properties(device)["max_shared_mem"]
+    tmem = getattr(kernel.metadata, "tmem_size", None)
+    return kernel.metadata.shared <= limit and (tmem or 0) <= TMEM_COLUMNS
 
 
 TUNE_KEY = ["M", "N_KEYS", "HEAD_DIM", "BANDED_ONLY", "MASKING", "SEGMENTS", "DROPOUT", "DOT_DTYPE"]
-fwd_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_fwd_kernel)
-bwd_kv_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY)(_bwd_kv_kernel)
-bwd_q_kernel_tuned = triton.autotune(configs(), key=TUNE_KEY + ["DKR_ATOMIC"],
-                                     reset_to_zero=["DKR", "PART"])(_bwd_q_kernel)
+
+
+def _tuned(fn, role: str, key: list, **options):
+    return triton.autotune(all_configs(), key=key, prune_configs_by={"early_config_prune": _prune(role, fn)},
+                           **options)(fn)
+
+
+KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel}
+fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
+# tiles of another BLOCK_N write other entries of GP and PARTK: start each timing from zeros
+bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY, reset_to_zero=["GP", "PARTK"])
+bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC"], reset_to_zero=["DKR", "PART"])
+# the deterministic dk_r kernel is not timed: deterministic mode runs every kernel at the first
+# candidate that launches (kernels.__init__._run)

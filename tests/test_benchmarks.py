@@ -108,8 +108,9 @@ def test_attention_case_floats_are_the_old_builders_draws():
     assert all(v.device.type == "meta" for v in [*meta.floats.values(), *meta.index.values()])
 
 
-def _sm90_index_data(B, L, mlen, P, two_stream):
-    """The index data bench.sm90's scenario builder drew before bench.cases existed."""
+def _compile_report_index_data(B, L, mlen, P, two_stream):
+    """The index data the compile report's scenario builder (then ``bench.sm90``) drew before
+    bench.cases existed."""
     from xlnet_fast import masks
 
     g = torch.Generator().manual_seed(0)
@@ -124,11 +125,11 @@ def _sm90_index_data(B, L, mlen, P, two_stream):
 
 
 @pytest.mark.parametrize("two_stream", [False, True])
-def test_pretraining_ranks_are_the_sm90_scenario_index_data(two_stream):
+def test_pretraining_ranks_are_the_compile_report_scenario_index_data(two_stream):
     B, L, mlen, P = 3, 32, 8, 6
     case = cases.AttentionCase(B, 2, L, mlen, 4, targets=P, two_stream=two_stream, ranks="pretraining")
     got = cases.attention_inputs(case).index
-    expected = _sm90_index_data(B, L, mlen, P, two_stream)
+    expected = _compile_report_index_data(B, L, mlen, P, two_stream)
     assert list(got) == list(expected)
     for name in expected:
         assert got[name].dtype == expected[name].dtype and torch.equal(got[name], expected[name]), name

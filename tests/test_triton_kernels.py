@@ -5,6 +5,7 @@ but span several 16-wide tiles with odd sizes.
 """
 
 import functools
+import math
 import os
 import unittest.mock
 
@@ -13,7 +14,7 @@ import torch
 from helpers.attention import (ARG_NAMES, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case,
                                triton_attention)
 from helpers.compare import rel_err
-from helpers.reference import reference_attention
+from helpers.reference import dropout_keep_reference, philox4x32, reference_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -106,28 +107,91 @@ def test_fully_blocked_rows_are_zero_with_finite_grads():
     assert all(torch.isfinite(x).all() for x in g)
 
 
-def test_dropout_mask_is_regenerated_in_backward():
-    """With v_j = e_j the output row is the dropped probability row; the gradients must equal the
-    autograd of (P * keep / (1 - p)) @ V with that keep mask."""
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding", "rank_content"])
+def test_tiles_not_square_match_eager(name, block_m, block_n, monkeypatch):
+    """Regression: a tile taller than wide (BLOCK_M > BLOCK_N) took the banded path, whose window of
+    2 * BLOCK_N k_r rows cannot hold BLOCK_M positions: wrong scores without an error (the GPU
+    configs had 128x64 tiles; the interpreter's are square, so no test saw it)."""
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
+    case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    out, g_tri = grads(triton_attention, case, dout)
+    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    assert rel(out, ref_out) < 1e-5
+    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
+        assert rel(a, b) < 1e-4, n
+
+
+def test_philox_reference_matches_the_published_known_answers():
+    # Random123's kat_vectors for philox4x32_10: counter and key all zeros / all ones
+    zero, ones = torch.zeros(1, dtype=torch.long), torch.full((1,), 0xFFFFFFFF)
+    assert [int(w) for w in philox4x32([zero] * 4, (0, 0), 10)] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert [int(w) for w in philox4x32([ones] * 4, (0xFFFFFFFF,) * 2, 10)] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6,
+                                                                               0x6D5451FD]
+
+
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("seed", [123, 2**40 + 7])
+def test_dropout_stream_is_the_documented_philox_bytes(seed, block):
+    """The keep mask is Philox4x32-7 bytes at the documented counters, whatever tile draws it
+    (narrow interpreter tiles take another code path than the GPU's 64-wide ones)."""
+    from xlnet_fast.kernels import dropout_mask, dropout_threshold
+
+    B, H, M, K, p = 2, 3, 19, 150, 0.3
+    keep = dropout_mask(seed, B, H, M, K, p, DEVICE, block=block)
+    assert torch.equal(keep.cpu(), dropout_keep_reference(seed, B, H, M, K, dropout_threshold(p)))
+
+
+def test_dropout_rate_and_streams():
+    from xlnet_fast.kernels import dropout_mask, dropout_threshold
+
+    B, H, M, K, p = 2, 2, 64, 256, 0.1
+    keep = dropout_mask(5, B, H, M, K, p, DEVICE)
+    rate = dropout_threshold(p) / 256
+    assert abs(rate - p) <= 1 / 512
+    n = keep.numel()
+    dropped = n - int(keep.sum())
+    assert abs(dropped - n * rate) < 5 * math.sqrt(n * rate * (1 - rate))  # binomial, 5 sigma
+    flat = keep.reshape(B * H, M * K)
+    assert all(not torch.equal(flat[i], flat[j]) for i in range(B * H) for j in range(i))  # per (batch, head)
+    assert torch.equal(keep, dropout_mask(5, B, H, M, K, p, DEVICE))
+    assert not torch.equal(keep, dropout_mask(6, B, H, M, K, p, DEVICE))
+    assert dropout_mask(5, 1, 1, 8, 8, 0.001, DEVICE).all()  # rounds to rate 0: nothing dropped
+
+
+def test_dropout_is_the_same_mask_in_forward_and_backward():
+    """With v_j = e_j the output row is the dropped probability row: it must be the documented mask
+    (the op's seed: its first draw after manual_seed) times the probabilities over the kept rate,
+    and the gradients must equal the float64 autograd of (P * keep * scale) @ V with that mask."""
+    from xlnet_fast.kernels import dropout_mask, dropout_threshold
+
     B, L, H, D, p = 1, 16, 1, 16, 0.4
     case = make_case(B=B, M=L, H=H, D=D, mlen=0, seg=False, dtype=torch.float32)
     case = case.replace(v=torch.eye(L).reshape(1, L, 1, D)).to(device=DEVICE)
     kw = case.kwargs()
     leaves = [t.detach().clone().requires_grad_() for t in case.args()]
     torch.manual_seed(7)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    torch.manual_seed(7)
     out = rel_attention(*leaves, **kw, dropout_p=p, backend="triton")
     torch.manual_seed(7)
-    again = rel_attention(*leaves, **kw, dropout_p=p, backend="triton")
-    assert torch.equal(out, again)
-    dropped = out.detach()[0, :, 0, :]  # (M, K)
-    keep = dropped != 0
+    assert torch.equal(out, rel_attention(*leaves, **kw, dropout_p=p, backend="triton"))
+    keep = dropout_mask(seed, B, H, L, L, p, DEVICE)[0, 0]
+    scale = 1 / (1 - dropout_threshold(p) / 256)
     assert 0.3 < 1 - keep.float().mean().item() < 0.5
     probs = xlnet_fast.attention_probabilities(*leaves, **kw)[0, 0]
-    torch.testing.assert_close(dropped[keep], (probs / (1 - p))[keep].detach(), rtol=1e-5, atol=1e-6)
+    dropped = out.detach()[0, :, 0, :]  # (M, K)
+    torch.testing.assert_close(dropped, (probs * keep * scale).detach(), rtol=1e-5, atol=1e-6)
     dout = torch.randn_like(out)
     g_tri = torch.autograd.grad((out * dout).sum(), leaves)
-    ref = torch.einsum("mk,bkhd->bmhd", probs * keep / (1 - p), leaves[2])
-    g_ref = torch.autograd.grad((ref * dout).sum(), leaves)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    probs64 = xlnet_fast.attention_probabilities(*leaves64, **kw)[0, 0]
+    ref = torch.einsum("mk,bkhd->bmhd", probs64 * keep * scale, leaves64[2])
+    g_ref = torch.autograd.grad((ref * dout.double()).sum(), leaves64)
     for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
         assert rel(a, b) < 1e-5, n
 

@@ -93,3 +93,40 @@ def original_local_perm(inputs, is_masked, perm_size, order, sep_id, cls_id):
     self_rev_index = torch.where(target_tokens, rev_index, rev_index + 1)
     perm_mask = (self_rev_index[:, None] <= rev_index[None, :]) & masked_or_func_tokens
     return perm_mask, target_tokens
+
+
+def philox4x32(counter, key, rounds: int):
+    """Philox4x32 (Salmon et al., SC'11) on int64 tensors holding uint32 values: ``counter`` a list
+    of four tensors, ``key`` two ints; returns the four output words."""
+    mask = 0xFFFFFFFF
+
+    def mulhilo(a: int, c):  # the 64-bit product a * c as (high, low) words, exact in int64 pieces
+        low = a * (c & 0xFFFF)  # < 2**48
+        mid = a * (c >> 16) + (low >> 16)  # < 2**49
+        return mid >> 16, ((mid << 16) | (low & 0xFFFF)) & mask
+
+    c0, c1, c2, c3 = (c.long() & mask for c in counter)
+    k0, k1 = key
+    for _ in range(rounds):
+        (hi0, lo0), (hi1, lo1) = mulhilo(0xD2511F53, c0), mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+    return c0, c1, c2, c3
+
+
+def dropout_keep_reference(seed: int, B: int, H: int, M: int, K: int, threshold: int) -> torch.Tensor:
+    """The kernels' documented dropout stream, (B, H, M, K) bool: element (row m, key j) of
+    batch*head ``bh`` keeps when byte ``u = 2 * ((j % 64) // 8) + j % 2`` (little-endian over the four
+    words) of Philox4x32-7 at counter ``(4 * (j // 64) + (j % 8) // 2, m, bh, 0)``, key ``seed``, is at
+    least ``threshold``."""
+    bh = torch.arange(B * H).view(-1, 1, 1)
+    m = torch.arange(M).view(1, -1, 1)
+    j = torch.arange(K).view(1, 1, -1)
+    group = 4 * (j // 64) + (j % 8) // 2
+    shape = (B * H, M, K)
+    words = philox4x32([group.expand(shape), m.expand(shape), bh.expand(shape), torch.zeros(shape, dtype=torch.long)],
+                       (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF), rounds=7)
+    u = 2 * ((j % 64) // 8) + j % 2
+    word = torch.stack(words).gather(0, (u // 4).expand(shape).unsqueeze(0))[0]
+    byte = (word >> (8 * (u % 4))) & 0xFF
+    return (byte >= threshold).view(B, H, M, K)

@@ -71,7 +71,13 @@ def explain_auto_backend(device: torch.device) -> str:
     ok, reason = triton_status()
     if device.type != "cuda":
         return f"eager ({device.type} tensors; the Triton backend runs on CUDA)"
-    return "triton" if ok else f"eager (Triton unusable: {reason})"
+    if not ok:
+        return f"eager (Triton unusable: {reason})"
+    from .. import kernels
+
+    fp32 = {"tf32": "TF32 dots (torch allows TF32)",
+            "tf32x3": "3xTF32 dots, about fp32 accuracy (torch's float32_matmul_precision is 'highest')"}
+    return f"triton (fp32 inputs: {fp32[kernels.fp32_precision()]})"
 
 
 def _implementation(backend: str):
