@@ -695,7 +695,8 @@ def _dropout_mask_kernel(KEEP, seed, keep_threshold, M, N_KEYS, BLOCK_M: tl.cons
 # `python -m bench.compile_report` compiles every candidate for every arch (registers, spills,
 # shared memory, instructions per score against FlashAttention-2 at the same config: bench/NOTES.md).
 # Families with mma.sync (sm_80/86/89/120) cap registers at 255: left to itself, ptxas gives some
-# of their builds 32 registers and ~30 KB of spill. The 99 KB-shared-memory GPUs (sm_86/89/120)
+# of their builds 32 registers and ~30 KB of spill (so does sm_90's 2-warp dQ with fp32's 3xTF32
+# dots: that one candidate carries the cap too). The 99 KB-shared-memory GPUs (sm_86/89/120)
 # take narrower tiles; sm_100 builds no two-stage dK/dV (triton 3.6's pipeliner fails on it).
 CANDIDATES = {
     80: {"fwd": ("64x64w4s2r255", "64x64w4s1r255", "32x64w4s1r255", "64x128w8s1r255", "32x32w2s2r255"),
@@ -708,7 +709,7 @@ CANDIDATES = {
          "dkr": ("32x32w4s1r255", "32x32w2s2r255", "32x64w4s1r255", "32x32w4s2r255")},
     90: {"fwd": ("64x64w4s1", "64x64w4s2", "64x128w4s1", "32x64w4s1"),
          "dkdv": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w2s2"),
-         "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2"),
+         "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2r255"),
          "dkr": ("64x64w4s2", "64x64w4s1", "32x64w4s1", "32x32w4s1")},
     100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1"),
           "dkdv": ("64x64w4s1", "32x64w4s1", "64x128w8s1", "32x32w2s2"),
