@@ -103,13 +103,12 @@ WGMMA_MIN_ROWS = 64
 # dropout-overhead cap, spill bytes (stores + loads), the MMA kind accepted at the best config.
 SHORTFALLS: dict = {
     "3.6": {  # the committed records (bench/results/compile_sm*.json): every arch, both D and streams
-        # D=64 on sm_80, target <= 3.5x: dK/dV 3.77x, dQ 3.86x; dropout target <= 1.35x: 32-column tiles
+        # D=64 on sm_80, target <= 3.5x: dK/dV 3.73x, dQ 3.86x; dropout target <= 1.35x: 32-column tiles
         # draw their whole 64-column Philox group (1.36-1.47x)
-        (80, 64, "dkdv"): {"ratio": 3.9, "dropout": 1.45},
+        (80, 64, "dkdv"): {"ratio": 3.85, "dropout": 1.45},
         (80, 64, "dq"): {"ratio": 4.0, "dropout": 1.45},
         (80, 64, "fwd"): {"dropout": 1.5},
-        # D=128, target <= 512 B of spill on sm_80/90/100: dK/dV 536 B, dQ 1,296 B on sm_80
-        (80, 128, "dkdv"): {"spill": 672},
+        # D=128, target <= 512 B of spill on sm_80/90/100: dQ 1,296 B on sm_80
         (80, 128, "dq"): {"spill": 1632, "dropout": 1.45},
         (80, 128, "fwd"): {"dropout": 1.45},
         (86, 64, "dkdv"): {"dropout": 1.45},
@@ -118,12 +117,11 @@ SHORTFALLS: dict = {
         (89, 64, "dkdv"): {"dropout": 1.45},
         (89, 64, "dq"): {"dropout": 1.5},
         (89, 128, "fwd"): {"dropout": 1.45},
-        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.23x; 24 B in two-stream with dropout),
-        # dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32: mma.sync, 3.37x)
-        (90, 64, "dkdv"): {"spill": 32, "ratio": 3.35},
+        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.17x; 64x64w4s2 2.85x spills 40 B
+        # with dropout), dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32: mma.sync, 3.37x)
+        (90, 64, "dkdv"): {"ratio": 3.25},
         (90, 64, "dkr"): {"mma": "mma.sync"},
         (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.5, "dropout": 1.55},
-        (90, 128, "dkdv"): {"spill": 960, "mma": "mma.sync"},
         (90, 128, "dkr"): {"mma": "mma.sync"},
         (90, 128, "dq"): {"spill": 672, "mma": "mma.sync", "dropout": 1.45},
         (90, 128, "fwd"): {"mma": "mma.sync", "dropout": 1.5},
@@ -133,7 +131,7 @@ SHORTFALLS: dict = {
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
         (80, 64, "dq"): {"spill": 80, "ratio": 4.4},  # 64 B (with dropout), 4.29x; targets 0 B, 3.5x
         (80, 64, "fwd"): {"dropout": 1.55},  # 1.47x at 32x64; target 1.35x
-        (90, 64, "dkdv"): {"ratio": 3.45},  # 3.35x at 32x64w4s1; target 3.0x
+        (90, 64, "dkdv"): {"ratio": 3.35},  # 3.25x at 32x64w4s1; target 3.0x
         (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.55},  # 32x32w4s1 (mma.sync) 3.41x; target 3.0x, wgmma
     },
 }

@@ -366,18 +366,27 @@ def _fwd_kernel(
 @triton.jit
 def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
                DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-               INPUT_PRECISION: tl.constexpr):
+               INPUT_PRECISION: tl.constexpr, KEEP_IN_SIGN: tl.constexpr):
     """From a recomputed score tile (log2 domain): the (dropped) probabilities that multiplied V,
-    and dS = P * (dP - delta) with respect to the natural-log scores, unscaled."""
+    and dS = P * (dP - delta) with respect to the natural-log scores, unscaled. ``KEEP_IN_SIGN``
+    (the dK/dV kernel, which uses both): with dropout the keep mask rides in the sign of P across
+    the dP product, one fp32 tile live instead of P and the mask; dQ and dk_r use dS alone and
+    keep the plain form, where the sign costs instructions."""
     prob = tl.exp2(s - lse2[:, None])  # lse2 = +inf on rows with no visible key -> 0
-    dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-    if DROPOUT:
+    if DROPOUT and KEEP_IN_SIGN:
         keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
-        prob_d = tl.where(keep, prob, 0.0)
-        dp = tl.where(keep, dp, 0.0)
+        signed = tl.where(keep, prob, -prob)  # P >= 0: the sign is the mask
+        dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        prob_d = tl.maximum(signed, 0.0)
+        # kept: dS = P (dP - delta); dropped: dP = 0, dS = -P delta
+        return prob_d, prob_d * dp - tl.abs(signed) * delta[:, None]
+    elif DROPOUT:
+        dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        return tl.where(keep, prob, 0.0), prob * (tl.where(keep, dp, 0.0) - delta[:, None])
     else:
-        prob_d = prob
-    return prob_d, prob * (dp - delta[:, None])
+        dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        return prob, prob * (dp - delta[:, None])
 
 
 @triton.jit
@@ -491,7 +500,7 @@ def _bwd_kv_kernel(
                            pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
         do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
         prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
-                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=True)
         dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         ds_t = tl.trans(ds.to(DOT_DTYPE))
         dk += tl.dot(ds_t, q_w, input_precision=INPUT_PRECISION)
@@ -500,8 +509,12 @@ def _bwd_kv_kernel(
             tl.store(GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows,
                      _other_segment_sums(ds, seg_q, keys_base, cols, N_KEYS), mask=rows < M)
     col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
+    # k again from memory: the loaded tile kept in registers through the loop costs a tile of them
+    # (rows from a scalar base: pointers shared with the first load would be kept through the loop)
+    k_out = _load_rows(K + b * stride_kb + h * stride_kh + n0 * stride_kn, stride_kn, 0, N_KEYS - n0, offs_d,
+                       BLOCK_N, HEAD_DIM)
     tl.store(PARTK + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * BLOCK_D + offs_d,
-             tl.sum(col_sum[:, None] * k.to(tl.float32), axis=0))
+             tl.sum(col_sum[:, None] * k_out.to(tl.float32), axis=0))
     # q_w carries qk_scale = scale * log2(e); dK needs scale alone
     out_off = (b * N_KEYS * H + h) * HEAD_DIM + cols[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :]
     kv_ok = (cols < N_KEYS)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -566,8 +579,8 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
-                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                               DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
             ds_cur = ds.to(DOT_DTYPE)
             dq = tl.dot(ds_cur, k, dq, input_precision=INPUT_PRECISION)
             dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
@@ -593,8 +606,8 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
-                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                               DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
             dq = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
             c_first = qlen + n0 - p_hi
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
@@ -665,8 +678,8 @@ def _bwd_kr_kernel(
                 s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
                 s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb,
                                    stride_mm, pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
-                                        DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                                   DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
                 dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
                 acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
