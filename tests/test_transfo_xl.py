@@ -257,6 +257,8 @@ def test_loading_other_directories_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="describes a 'xlnet' model, not 'transfo-xl'"):
         TransfoXLLMHeadModel.from_pretrained(tmp_path / "xlnet")
     write_hf4_dir(tmp_path / "txl", SMALL)
+    with pytest.raises(ValueError, match="describes a 'transfo-xl' model, not 'xlnet'"):
+        xlnet_fast.XLNetLMHeadModel.from_pretrained(tmp_path / "txl")
     state = os.path.join(tmp_path, "txl", "model.safetensors")
     with open(state, "r+b") as f:
         f.truncate(100)

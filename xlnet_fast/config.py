@@ -10,6 +10,32 @@ from typing import Any
 
 from .attention.backends import BACKENDS
 
+CONFIG_FILE = "config.json"
+
+
+def write_config_json(directory: str | os.PathLike, fields: dict[str, Any]) -> None:
+    """``directory/config.json`` (created if needed) holding ``fields``, keys sorted, as transformers writes it."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(fields, f, indent=2, sort_keys=True)
+
+
+def read_config_json(directory: str | os.PathLike, model_type: str, default_type: str | None = None) -> dict[str, Any]:
+    """The fields of ``directory/config.json``, which must describe a ``model_type`` model (a file
+    without the key counts as ``default_type``); a clear error when it is missing or not JSON."""
+    path = os.path.join(directory, CONFIG_FILE)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    found = d.get("model_type", default_type)
+    if found != model_type:
+        raise ValueError(f"{path} describes a {found!r} model, not {model_type!r}")
+    return d
+
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 32000,
     "d_model": 1024,
@@ -136,24 +162,13 @@ class XLNetConfig:
         return cls(**d)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+        write_config_json(directory, self.to_dict())
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **overrides: Any) -> "XLNetConfig":
         """Read ``directory/config.json``; ``overrides`` replace fields (``num_labels``, ``id2label`` or
         ``label2id`` replace the saved labels)."""
-        path = os.path.join(directory, "config.json")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json in {directory}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from None
-        if d.get("model_type", "xlnet") != "xlnet":
-            raise ValueError(f"{path} describes a {d['model_type']!r} model, not xlnet")
+        d = read_config_json(directory, "xlnet", default_type="xlnet")
         overrides = dict(overrides)
         if "label2id" in overrides and "id2label" not in overrides:
             overrides["id2label"] = {int(i): label for label, i in overrides["label2id"].items()}

@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from ..attention.backends import BACKENDS
+from ..config import read_config_json, write_config_json
 
 MODEL_TYPE = "transfo-xl"
 
@@ -136,23 +137,12 @@ class TransfoXLConfig:
         return cls(**d)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+        write_config_json(directory, self.to_dict())
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **overrides: Any) -> "TransfoXLConfig":
         """Read ``directory/config.json``; ``overrides`` replace fields."""
-        path = os.path.join(directory, "config.json")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no config.json in {directory}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON: {exc}") from None
-        if d.get("model_type") != MODEL_TYPE:
-            raise ValueError(f"{path} describes a {d.get('model_type')!r} model, not {MODEL_TYPE!r}")
+        d = read_config_json(directory, MODEL_TYPE)
         d.update(overrides)
         return cls(**d)
 
