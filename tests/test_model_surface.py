@@ -350,3 +350,21 @@ def test_missing_files_are_named(tmp_path):
     XLNetConfig(**SMALL).save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors or pytorch_model.bin"):
         XLNetLMHeadModel.from_pretrained(tmp_path)
+
+
+def test_forward_passes_every_parameter_to_prepare_inputs_by_name():
+    """XLNetModel.forward names each of its parameters in its call to prepare_inputs (no locals()):
+    the two signatures list the same keywords, so a parameter added to one must be added to the other."""
+    import inspect
+
+    from xlnet_fast.model.inputs import prepare_inputs
+
+    def named(function, skip):
+        return [n for n, p in inspect.signature(function).parameters.items()
+                if n not in skip and p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+    assert named(XLNetModel.forward, ("self",)) == named(prepare_inputs, ("model",))
+    source = inspect.getsource(XLNetModel.forward)
+    assert "locals()" not in source
+    for name in named(XLNetModel.forward, ("self",)):
+        assert f"{name}={name}" in source, name

@@ -97,8 +97,13 @@ class XLNetModel(XLNetPreTrainedModel):
         ``target_mapping``. ``mems`` may also be one stacked tensor; ``head_mask``, ``position_ids``,
         ``logits_to_keep``, ``use_cache`` and ``num_items_in_batch`` are accepted and ignored, as
         transformers' XLNetModel does."""
-        arguments = {name: value for name, value in locals().items() if name not in ("self", "kwargs")}
-        return self.forward_prepared(self.prepare_inputs(**arguments, **kwargs))
+        prepared = self.prepare_inputs(
+            input_ids=input_ids, attention_mask=attention_mask, mems=mems, perm_mask=perm_mask,
+            target_mapping=target_mapping, token_type_ids=token_type_ids, input_mask=input_mask,
+            inputs_embeds=inputs_embeds, use_mems=use_mems, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=return_dict, q_rank=q_rank, k_rank=k_rank,
+            target_pos=target_pos, **kwargs)
+        return self.forward_prepared(prepared)
 
     def forward_prepared(self, a: BackboneInputs) -> XLNetModelOutput | tuple:
         """The forward pass over the inputs ``prepare_inputs`` returned."""

@@ -8,11 +8,8 @@ exclude each other — with the op's own checks (``xlnet_fast.attention.args``),
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -216,35 +213,32 @@ def _validate_inputs(config: XLNetConfig, weights: Tensor, input_ids, inputs_emb
     return B, L
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_parameters(model_class: type) -> tuple[str, ...]:
-    """The named parameters of ``model_class.forward`` (its signature is the one list of them)."""
-    return tuple(n for n, p in inspect.signature(model_class.forward).parameters.items()
-                 if n != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD)
-
-
-def prepare_inputs(model, **arguments: Any) -> BackboneInputs:
-    """``XLNetModel.forward``'s keyword arguments (``model``: an ``XLNetModel``; also its method
+def prepare_inputs(model, *, input_ids: Tensor | None = None, attention_mask: Tensor | None = None,
+                   mems: Any = None, perm_mask: Tensor | None = None, target_mapping: Tensor | None = None,
+                   token_type_ids: Tensor | None = None, input_mask: Tensor | None = None,
+                   inputs_embeds: Tensor | None = None, use_mems: bool | None = None,
+                   output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                   return_dict: bool | None = None, q_rank: Tensor | None = None, k_rank: Tensor | None = None,
+                   target_pos: Tensor | None = None, **ignored: Any) -> BackboneInputs:
+    """``XLNetModel.forward``'s arguments (``model``: an ``XLNetModel``; also its method
     ``prepare_inputs``) with the config's defaults applied, normalised and validated before any
-    compute; bad input raises ValueError or TypeError naming the argument."""
+    compute; bad input raises ValueError or TypeError naming the argument. ``ignored``: the keywords
+    transformers' XLNetModel accepts and ignores (``IGNORED_KWARGS``); any other is a TypeError."""
     c = model.config
-    x = SimpleNamespace(**{name: arguments.pop(name, None) for name in _forward_parameters(type(model))})
-    _check_extra_kwargs(arguments)
-    mems = _layer_mems(x.mems)
-    B, L = _validate_inputs(c, model.mask_emb, x.input_ids, x.inputs_embeds, x.attention_mask, x.input_mask, mems,
-                            x.perm_mask, x.target_mapping, x.token_type_ids, x.q_rank, x.k_rank, x.target_pos)
-    target_mapping = x.target_mapping
+    _check_extra_kwargs(ignored)
+    layer_mems = _layer_mems(mems)
+    B, L = _validate_inputs(c, model.mask_emb, input_ids, inputs_embeds, attention_mask, input_mask, layer_mems,
+                            perm_mask, target_mapping, token_type_ids, q_rank, k_rank, target_pos)
     if target_mapping is not None and not target_mapping.is_floating_point():
         target_mapping = target_mapping.to(model.mask_emb.dtype)  # e.g. a bool one-hot mapping
-    use_mems = x.use_mems
     if use_mems is None:
         use_mems = c.use_mems_train if model.training else c.use_mems_eval
     return BackboneInputs(
-        batch=B, seq_len=L, input_ids=x.input_ids, inputs_embeds=x.inputs_embeds,
-        padding=_as_bool_padding(x.attention_mask, x.input_mask), mems=mems, perm_mask=x.perm_mask,
-        target_mapping=target_mapping, token_type_ids=x.token_type_ids, q_rank=x.q_rank, k_rank=x.k_rank,
-        target_pos=x.target_pos, use_mems=bool(use_mems),
-        output_attentions=c.output_attentions if x.output_attentions is None else x.output_attentions,
-        output_hidden_states=c.output_hidden_states if x.output_hidden_states is None else x.output_hidden_states,
-        return_dict=c.return_dict if x.return_dict is None else x.return_dict,
+        batch=B, seq_len=L, input_ids=input_ids, inputs_embeds=inputs_embeds,
+        padding=_as_bool_padding(attention_mask, input_mask), mems=layer_mems, perm_mask=perm_mask,
+        target_mapping=target_mapping, token_type_ids=token_type_ids, q_rank=q_rank, k_rank=k_rank,
+        target_pos=target_pos, use_mems=bool(use_mems),
+        output_attentions=c.output_attentions if output_attentions is None else output_attentions,
+        output_hidden_states=c.output_hidden_states if output_hidden_states is None else output_hidden_states,
+        return_dict=c.return_dict if return_dict is None else return_dict,
     )
