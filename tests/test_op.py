@@ -243,6 +243,17 @@ def test_eager_out_of_memory_points_to_triton(monkeypatch):
                                  backend="eager")
 
 
+def test_self_rows_out_of_range_is_a_value_error():
+    from xlnet_fast.attention.args import validate
+
+    c = make_case(mask="rank", dtype=torch.float32)
+    M = c.q.shape[1]
+    assert validate(*c.args(), q_rank=c.q_rank, k_rank=c.k_rank, qlen=c.qlen, self_rows=1).self_rows == 1
+    for bad in (-1, M + 1):
+        with pytest.raises(ValueError, match="self_rows"):
+            validate(*c.args(), q_rank=c.q_rank, k_rank=c.k_rank, qlen=c.qlen, self_rows=bad)
+
+
 @pytest.mark.parametrize("mask", [None, "rank", "dense"])
 def test_two_stream_equals_two_calls(mask):
     B, L, P, H, D, mlen = 2, 7, 3, 2, 4, 2

@@ -197,17 +197,22 @@ def _check_dropout(dropout_p) -> float:
 
 
 def validate(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None, q_seg=None, k_seg=None,
-             attn_mask=None, q_rank=None, k_rank=None, q_pos=None, qlen=None, self_visible=True, scale=None,
-             dropout_p=0.0, rows_cover_qlen=False) -> AttnArgs:
+             attn_mask=None, q_rank=None, k_rank=None, q_pos=None, qlen=None, self_visible=True, self_rows=None,
+             scale=None, dropout_p=0.0, rows_cover_qlen=False) -> AttnArgs:
     """Check every argument of ``rel_attention`` (before any launch) and return its record; the seed
-    is left None (drawn per call by the op)."""
+    is left None (drawn per call by the op). ``self_rows``: how many leading query rows also see their
+    own key (``rel_attention_two_stream``: the content rows); default all rows if ``self_visible``."""
     _check_dense(q, k, v, k_r, r_w_bias, r_r_bias)
     _check_segments(q, k, r_s_bias, seg_embed, q_seg, k_seg)
     qlen = _check_query_rows(q, k, k_r, q_pos, qlen)
     _check_masks(q, k, attn_mask, q_rank, k_rank)
     if not isinstance(self_visible, bool):
         raise TypeError(f"self_visible must be a bool, got {type(self_visible).__name__}")
+    if self_rows is None:
+        self_rows = q.shape[1] if self_visible else 0
+    elif not 0 <= self_rows <= q.shape[1]:
+        raise ValueError(f"self_rows must be in [0, M={q.shape[1]}], got {self_rows}")
     return AttnArgs(r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask,
                     q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=qlen,
-                    self_rows=q.shape[1] if self_visible else 0, scale=resolve_scale(scale, q.shape[3]),
+                    self_rows=self_rows, scale=resolve_scale(scale, q.shape[3]),
                     dropout_p=_check_dropout(dropout_p), seed=None, rows_cover_qlen=rows_cover_qlen)

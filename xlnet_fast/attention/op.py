@@ -210,11 +210,11 @@ def rel_attention_two_stream(
         q_rank = torch.cat([q_rank, q_rank.gather(1, rows)], dim=1)
     if attn_mask is not None:
         attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
-    # every position 0..L-1 has a content row: the kernels may take every tile as banded
+    # the content rows (the first L) see their own key, the target rows do not; every position
+    # 0..L-1 has a content row, so the kernels may take every tile as banded
     a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg,
                  k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=L,
-                 scale=scale, dropout_p=dropout_p, rows_cover_qlen=True)
-    a.self_rows = L  # the content rows see their own key, the target rows do not
+                 self_rows=L, scale=scale, dropout_p=dropout_p, rows_cover_qlen=True)
     out = _call((q, k, v, k_r, r_w_bias, r_r_bias), a, backend)
     return out[:, :L], out[:, L:]
 
