@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from bench.runner import RESULTS_DIR, append_records, environment
-from xlnet_fast.pretrain.data import iter_lines
+from xlnet_fast.pretrain.corpus import iter_lines
 from xlnet_fast.pretrain.prepare import default_workers, prepare_corpus
 from xlnet_fast.pretrain.settings import default_corpus
 from xlnet_fast.pretrain.tokenizer import train_tokenizer

@@ -1,7 +1,8 @@
 """A training checkpoint is verified against its COMPLETE wherever it is read by its path —
 ``load_model_weights``/``read_model_state``, ``xlnet-fast export`` and ``xlnet-fast eval`` — with
 ``--no-verify`` (``verify=False``) skipping only the checksums; a damaged or unfinished checkpoint is one
-line naming the file (exit 2), never a traceback or a silently different result."""
+line naming the file (exit 2), never a traceback or a silently different result; so is a checkpoint
+of the format before 0.1's sharded checkpoints, which is not read."""
 
 import logging
 import os
@@ -12,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from helpers.faults import flip_byte, truncate
-from helpers.pretraining import train_config
+from helpers.pretraining import as_written_before_0_1, train_config
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 from xlnet_fast.cli import main
 from xlnet_fast.pretrain import pretrain
 from xlnet_fast.pretrain.artifacts import NO_VERIFY_NOTE
 from xlnet_fast.pretrain.checkpoint import dcp_metadata, load_model_weights, read_model_state
-from xlnet_fast.pretrain.errors import CheckpointError
+from xlnet_fast.pretrain.errors import CheckpointError, UsageError
 
 WEIGHT = "model.transformer.word_embedding.weight"
 
@@ -103,3 +104,21 @@ def test_an_unfinished_checkpoint_is_refused(damaged, cache, tmp_path, capsys):
         assert f"{unfinished / 'COMPLETE'} is missing (the checkpoint was never finished)" in one_error_line(capsys)
     with pytest.raises(CheckpointError, match="COMPLETE is missing"):
         load_model_weights(model_for(unfinished), str(unfinished))
+
+
+def test_a_checkpoint_written_before_0_1_is_refused_by_every_reader(damaged, cache, tmp_path, capsys):
+    path, _, _ = damaged
+    as_written_before_0_1(path)
+    message = (f"{path} was written by xlnet_fast before 0.1's sharded checkpoints (trainer.pt, model.safetensors), "
+               "which this version does not read: re-run pretraining")
+    with pytest.raises(UsageError) as refused:
+        load_model_weights(model_for(path), str(path))
+    assert str(refused.value) == message
+    with pytest.raises(UsageError, match="before 0.1's sharded checkpoints"):
+        read_model_state(str(path), verify=False)
+    for args in (["export", str(path), "--out", str(tmp_path / "export")],
+                 ["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")],  # the run directory
+                 ["eval", "--model", str(path), "--cache-dir", cache, "--no-verify"]):
+        assert main(args) == 2
+        assert one_error_line(capsys) == f"xlnet-fast: error: {message}"
+    assert not (tmp_path / "export").exists()

@@ -10,7 +10,7 @@ from helpers.transfo_xl import SMALL, write_hf4_dir
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 from xlnet_fast.cli import main
-from xlnet_fast.pretrain.data import iter_lines
+from xlnet_fast.pretrain.corpus import iter_lines
 from xlnet_fast.pretrain.tokenizer import train_tokenizer
 from xlnet_fast.transfo_xl import TransfoXLLMHeadModel
 from xlnet_fast.transfo_xl.evaluate import encode_files, stream_nll

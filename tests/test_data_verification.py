@@ -15,7 +15,7 @@ from helpers.pretraining import TINY_RUN, train_config
 
 from xlnet_fast.cli import main
 from xlnet_fast.pretrain import pretrain
-from xlnet_fast.pretrain.data import file_digest, iter_documents, iter_lines
+from xlnet_fast.pretrain.corpus import file_digest, iter_documents, iter_lines
 from xlnet_fast.pretrain.errors import UsageError
 from xlnet_fast.pretrain.prepare import TokenShards, prepare_corpus
 from xlnet_fast.pretrain.tokenizer import train_tokenizer

@@ -10,9 +10,9 @@ from helpers.pretraining import TINY_RUN, train_config, write_corpus
 
 from xlnet_fast.cli import main
 from xlnet_fast.pretrain import pretrain
+from xlnet_fast.pretrain.corpus import iter_lines
 from xlnet_fast.pretrain.prepare import prepare_corpus
 from xlnet_fast.pretrain.tokenizer import train_tokenizer
-from xlnet_fast.pretrain.data import iter_lines
 
 
 def eval_rows(out):

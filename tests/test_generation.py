@@ -11,7 +11,7 @@ from helpers.transfo_xl import SMALL, hf4_config, layout_state, reference_forwar
 
 from xlnet_fast import TransfoXLConfig, TransfoXLLMHeadModel
 from xlnet_fast.generation import TokenChooser
-from xlnet_fast.transfo_xl.model import TransfoXLCache
+from xlnet_fast.generation import TransfoXLCache
 
 V = SMALL["vocab_size"]
 

@@ -1,6 +1,6 @@
-"""Corpus-scale tokenization (xlnet_fast.pretrain.prepare): the token stream equals build_token_file's, the output is
-byte-identical for any number of workers, an interrupted prepare resumes, changed sources are detected,
-and PretrainBatches draws the same batches from prepared data as from the single token file."""
+"""Corpus-scale tokenization (xlnet_fast.pretrain.prepare): the token stream equals the corpus read the simple way
+(helpers' reference_tokens), the output is byte-identical for any number of workers, an interrupted prepare resumes,
+changed sources are detected, and PretrainBatches draws the same batches from prepared data as from one array."""
 
 import json
 import logging
@@ -15,11 +15,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.pretraining import WORDS as PRETRAINING_WORDS
+from helpers.pretraining import WORDS as PRETRAINING_WORDS, reference_tokens
 
 from xlnet_fast.cli import main
 from xlnet_fast.pretrain import TrainConfig, prepare, pretrain
-from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_documents, iter_lines
+from xlnet_fast.pretrain.corpus import iter_documents, iter_lines
+from xlnet_fast.pretrain.data import DataConfig, PretrainBatches
 from xlnet_fast.pretrain.errors import UsageError
 from xlnet_fast.pretrain.prepare import TokenShards, prepare_corpus, token_dtype
 from xlnet_fast.pretrain.tokenizer import EOD_ID, XLNetTokenizer, train_tokenizer
@@ -62,9 +63,9 @@ def tok(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tok, tmp_path_factory):
-    """build_token_file's stream of the corpus."""
-    return np.array(build_token_file(corpus, tok, str(tmp_path_factory.mktemp("ref") / "tokens.bin")))
+def reference(corpus, tok):
+    """The corpus's token stream read the simple way (``reference_tokens``)."""
+    return reference_tokens(corpus, tok)
 
 
 @pytest.fixture(scope="module")
@@ -82,17 +83,26 @@ def output_files(directory) -> dict[str, bytes]:
 
 
 def document_ends(paths, tok) -> np.ndarray:
-    """Where each document of iter_documents ends in build_token_file's stream."""
+    """Where each document of iter_documents ends in the reference stream."""
     lengths = [sum(len(tok.encode(line, add_special_tokens=False)) for line in doc) + 1
                for doc in iter_documents(paths)]
     return np.cumsum(lengths)
 
 
-def test_stream_equals_build_token_file(prepared, reference, corpus, tok):
+def recorded_document_ends(directory) -> np.ndarray:
+    """(num_documents,) int64: the document ends (exclusive) a prepared directory records, each
+    shard's ``docs.bin`` offset by the tokens of the shards before it."""
+    shards = prepare.read_index(str(directory))["shards"]
+    starts = np.cumsum([0] + [s["tokens"] for s in shards])
+    return np.concatenate([np.fromfile(os.path.join(directory, prepare.docs_name(i)), dtype="<i8") + starts[i]
+                           for i in range(len(shards))])
+
+
+def test_stream_equals_the_reference_stream(prepared, reference, corpus, tok):
     data = TokenShards(prepared)
     assert len(data.index["shards"]) > 3 and data.dtype == np.dtype("<u2")
     assert np.array_equal(data[:], reference)
-    assert np.array_equal(data.document_ends(), document_ends(corpus, tok))
+    assert np.array_equal(recorded_document_ends(prepared), document_ends(corpus, tok))
     assert data.num_documents == len(document_ends(corpus, tok))
     # the text holds a literal "<eod>": document ends are recorded, not inferred from the ids
     assert (reference == EOD_ID).sum() > data.num_documents
@@ -282,8 +292,8 @@ def test_indexing_matches_one_array(prepared, reference, data):
 
 
 @pytest.mark.parametrize("bi_data,rank,world", [(False, 0, 1), (True, 1, 2)])
-def test_batches_equal_those_from_the_token_file(prepared, reference, tok, corpus, tmp_path, bi_data, rank, world):
-    """Same batches from prepared data (any workers) as from build_token_file's array."""
+def test_batches_equal_those_from_the_reference_array(prepared, reference, tok, corpus, tmp_path, bi_data, rank, world):
+    """Same batches from prepared data (any workers) as from the reference array."""
     cfg = DataConfig(seq_len=32, reuse_len=16, num_predict=6, perm_size=8, bi_data=bi_data, seed=3)
     two_workers = tmp_path / "data"
     prepare_corpus(corpus, tok, two_workers, workers=2, shard_tokens=SHARD, chunk_bytes=CHUNK)

@@ -11,12 +11,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.pretraining import WORDS, free_port, pretrain_command, train_config
+from helpers.pretraining import WORDS, free_port, pretrain_command, reference_tokens, train_config
 from helpers.reference import original_local_perm
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 from xlnet_fast.pretrain.checkpoint import load_model_weights, read_model_state
-from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, build_token_file, iter_lines, record_ranks, sample_span_mask
+from xlnet_fast.pretrain.corpus import iter_lines
+from xlnet_fast.pretrain.data import DataConfig, PretrainBatches, record_ranks, sample_span_mask
+from xlnet_fast.pretrain.prepare import prepared_tokens
 from xlnet_fast.pretrain.tokenizer import CLS_ID, SEP_ID, train_tokenizer
 from xlnet_fast.pretrain import pretrain
 
@@ -71,7 +73,7 @@ def test_span_mask_whole_words_and_goal(tok):
 
 
 def test_batch_layout(tok, corpus, tmp_path):
-    tokens = build_token_file([corpus], tok, str(tmp_path / "tokens.bin"))
+    tokens = reference_tokens([corpus], tok)
     cfg = DataConfig(seq_len=32, reuse_len=16, num_predict=6, perm_size=8, bi_data=True)
     b = PretrainBatches(tokens, tok, cfg, rows=4)
     batch = b.next_batch()
@@ -96,21 +98,18 @@ def test_batch_layout(tok, corpus, tmp_path):
 
 def test_token_cache_is_keyed_by_content(tok, tmp_path):
     """An edit that keeps the size and the modification time is a new corpus, not a cache hit."""
-    from xlnet_fast.pretrain.data import corpus_fingerprint
-
     path = tmp_path / "text.txt"
     path.write_text("god created heaven and earth\n")
     stat = os.stat(path)
-    shard = str(tmp_path / "cache" / "tokens.bin")
-    first = np.array(build_token_file([str(path)], tok, shard))
-    key = corpus_fingerprint([str(path)])
+    cache = str(tmp_path / "cache")
+    first = prepared_tokens([str(path)], tok, cache)
+    first_ids = np.array(first[:])
     path.write_text("earth created heaven and god\n")  # same size
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert os.stat(path).st_size == stat.st_size and os.stat(path).st_mtime_ns == stat.st_mtime_ns
-    assert corpus_fingerprint([str(path)]) != key
-    again = np.array(build_token_file([str(path)], tok, shard))
-    fresh = np.array(build_token_file([str(path)], tok, str(tmp_path / "fresh.bin")))
-    assert not np.array_equal(again, first) and np.array_equal(again, fresh)
+    again = prepared_tokens([str(path)], tok, cache)
+    assert again.directory != first.directory
+    assert not np.array_equal(again[:], first_ids) and np.array_equal(again[:], reference_tokens([str(path)], tok))
 
 
 def test_loss_decreases_and_checkpoint_loads(corpus, tmp_path):

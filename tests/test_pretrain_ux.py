@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.pretraining import write_corpus
+from helpers.pretraining import reference_tokens, write_corpus
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel, XLNetTokenizer, __version__
 from xlnet_fast.cli import build_parser, main
 from xlnet_fast.pretrain import TrainConfig, pretrain
-from xlnet_fast.pretrain.data import DataConfig, build_token_file, iter_lines
+from xlnet_fast.pretrain.corpus import iter_lines
+from xlnet_fast.pretrain.data import DataConfig
 from xlnet_fast.pretrain.evaluate import EVAL_SEED, Evaluator, heldout_length, split_heldout
 from xlnet_fast.pretrain.flops import (PEAK_TFLOPS_ENV, StepShape, Throughput, device_peak_tflops,
                                        forward_flops_per_batch, parameter_count, training_flops_per_step)
@@ -126,7 +127,7 @@ def test_eval_data_trains_on_everything(corpus, other_text, cache, tmp_path, cap
 
 def test_eval_value_does_not_depend_on_the_split_over_ranks(corpus, cache, tmp_path):
     tok = train_tokenizer(iter_lines([corpus]), 120, tmp_path / "tok")
-    tokens = build_token_file([corpus], tok, str(tmp_path / "tokens.bin"))
+    tokens = reference_tokens([corpus], tok)
     model = XLNetLMHeadModel(XLNetConfig(vocab_size=tok.vocab_size, d_model=32, n_layer=2, n_head=4, d_inner=64,
                                          mem_len=16, reuse_len=16, attn_backend="eager"))
     layout = DataConfig(seq_len=32, reuse_len=16, num_predict=6, perm_size=8)
@@ -357,7 +358,8 @@ def test_version(capsys):
 
 
 def test_cache_directory_from_the_environment(monkeypatch, tmp_path):
-    from xlnet_fast.pretrain.run_dir import CACHE_ENV, cache_root
+    from xlnet_fast.pretrain.outputs import CACHE_ENV
+    from xlnet_fast.pretrain.run_dir import cache_root
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "elsewhere"))
     assert cache_root(TrainConfig()) == str(tmp_path / "elsewhere")

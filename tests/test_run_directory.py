@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
-from helpers.pretraining import pretrain_command, train_config, write_corpus
+from helpers.pretraining import as_written_before_0_1, pretrain_command, train_config, write_corpus
 
 from xlnet_fast.pretrain import (NonFiniteLossError, TrainConfig, UsageError, list_checkpoints,
                                  load_latest_checkpoint, pretrain)
-from xlnet_fast.pretrain.checkpoint import dcp_metadata, read_model_state
+from xlnet_fast.pretrain.checkpoint import dcp_metadata
 from xlnet_fast.pretrain.run_dir import LOCK_NAME
 
 
@@ -261,38 +261,18 @@ def test_every_file_of_the_newest_checkpoint_is_checked(two_checkpoints, tmp_pat
             shutil.rmtree(out)
 
 
-def as_earlier_version(step_dir, nan=False):
-    """Rewrite a checkpoint in the format of earlier versions: model.safetensors, trainer.pt, no manifest."""
-    from safetensors.torch import save_file
-
-    state = read_model_state(str(step_dir))
-    if nan:
-        next(iter(state.values())).fill_(float("nan"))
-    for name in os.listdir(step_dir):
-        if name == ".metadata" or name.endswith(".distcp"):
-            os.remove(step_dir / name)
-    save_file(state, str(step_dir / "model.safetensors"), metadata={"format": "pt"})
-    torch.save({"step": 2}, step_dir / "trainer.pt")
-    (step_dir / "COMPLETE").write_text("2")
-    return state
-
-
-def test_non_finite_weights_in_a_checkpoint_make_it_unreadable(two_checkpoints, tmp_path):
+def test_a_run_written_before_0_1_is_refused_not_resumed(two_checkpoints, cache, tmp_path):
     out = copy_run(two_checkpoints, tmp_path / "run")
-    as_earlier_version(out / "checkpoints" / "step_0000002", nan=True)
-    assert load_latest_checkpoint(TrainConfig(out=str(out))).endswith("step_0000001")
-
-
-def test_checkpoint_of_an_earlier_version_is_read_but_not_resumed(two_checkpoints, cache, tmp_path):
-    out = copy_run(two_checkpoints, tmp_path / "run")
-    step_dir = out / "checkpoints" / "step_0000002"
-    state = as_earlier_version(step_dir)
-    assert load_latest_checkpoint(TrainConfig(out=str(out))) == str(step_dir)
-    got = read_model_state(str(step_dir))
-    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
-    with pytest.raises(UsageError, match="written by an earlier version.*cannot resume.*--overwrite"):
+    as_written_before_0_1(out / "checkpoints" / "step_0000002")
+    metrics = (out / "metrics.jsonl").read_bytes()
+    message = (f"{out / 'checkpoints' / 'step_0000002'} was written by xlnet_fast before 0.1's sharded checkpoints "
+               r"\(trainer.pt, model.safetensors\), which this version does not read: re-run pretraining")
+    with pytest.raises(UsageError, match=message):
+        load_latest_checkpoint(TrainConfig(out=str(out)))
+    with pytest.raises(UsageError, match=message):
         pretrain(resume_cfg(out, cache, steps=3))
-    assert names(out) == ["step_0000001", "step_0000002"] and steps_in(out) == [1, 2]
+    assert names(out) == ["step_0000001", "step_0000002"] and (out / "metrics.jsonl").read_bytes() == metrics
+    assert not (out / LOCK_NAME).exists()
 
 
 @pytest.mark.parametrize("name,how", [("__0_0.distcp", "truncated"), (".metadata", "garbage"),
@@ -311,19 +291,14 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(two_checkpoints, cac
     assert rows[1]["loss"] == pytest.approx(ref[1]["loss"], rel=1e-6)  # step 2 again, exactly
 
 
-def test_corrupted_latest_training_checkpoint_falls_back(tmp_path, caplog):
-    cfg = TrainConfig(out=str(tmp_path))
-    root = tmp_path / "checkpoints"
-    for step in (2, 4):
-        d = root / f"step_{step:07d}"
-        os.makedirs(d)
-        torch.save({"step": step}, d / "trainer.pt")
-        (d / "COMPLETE").write_text(str(step))
-    (root / "step_0000004" / "trainer.pt").write_bytes(b"garbage")
-    os.makedirs(root / "step_0000006.tmp")  # a half-written one is never picked
+def test_corrupted_latest_training_checkpoint_falls_back(two_checkpoints, tmp_path, caplog):
+    out = copy_run(two_checkpoints, tmp_path / "run")
+    root = out / "checkpoints"
+    (root / "step_0000002" / "run.json").write_bytes(b"garbage")
+    shutil.copytree(root / "step_0000001", root / "step_0000006.tmp")  # a half-written one is never picked
     with caplog.at_level(logging.WARNING):
-        assert load_latest_checkpoint(cfg) == str(root / "step_0000002")
-    assert "step_0000004" in caplog.text and "falling back" in caplog.text
+        assert load_latest_checkpoint(TrainConfig(out=str(out))) == str(root / "step_0000001")
+    assert "step_0000002" in caplog.text and "falling back" in caplog.text
 
 
 def test_torn_metrics_tail_is_dropped_on_resume(two_checkpoints, cache, tmp_path, caplog):

@@ -108,7 +108,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_train(args: argparse.Namespace) -> int:
-    from .pretrain.data import check_corpus, iter_lines
+    from .pretrain.corpus import check_corpus, iter_lines
     from .pretrain.errors import UsageError
     from .pretrain.outputs import check_output_dir
     from .pretrain.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES, train_tokenizer
@@ -126,7 +126,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 def _data_prepare(args: argparse.Namespace) -> int:
     import logging
 
-    from .pretrain.data import check_readable
+    from .pretrain.corpus import check_readable
     from .pretrain.errors import UsageError
     from .pretrain.prepare import prepare_corpus
     from .pretrain.tokenizer import XLNetTokenizer

@@ -10,7 +10,7 @@ from .config import MODEL_SIZES
 from .pretrain.evaluate import DEFAULT_EVAL_BATCHES
 from .pretrain.export import DTYPES
 from .pretrain.flops import PEAK_TFLOPS_ENV, parameter_count
-from .pretrain.run_dir import CACHE_ENV
+from .pretrain.outputs import CACHE_ENV
 from .pretrain.settings import DEFAULTS, PRESETS
 
 RESTORED = " (default: the checkpoint's with --resume, else {})"

@@ -25,12 +25,14 @@ generation stops when every row has. ``eos_token_id``/``pad_token_id`` default t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from .masks import INT32_MAX
+from .model.inputs import _check_mems, _layer_mems
 
 
 class _FromConfig:
@@ -166,15 +168,30 @@ def _collect(input_ids: Tensor, tokens: Iterator[Tensor]) -> Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class TransfoXLCache:
+    """What generation carries between steps: each layer's keys and values of the memory rows
+    ``(B, mlen, H, D)`` (the last ``mem_len``), and each layer's projected relative positions
+    ``(1, R, H, D)`` for the longest key count so far. Starts from ``mems`` (hidden states, per
+    layer ``(mlen, B, d)``) or empty."""
+
+    mems: list[Tensor] | None = None
+    kv: list[tuple[Tensor, Tensor]] | None = None
+    k_r: list[Tensor] | None = None
+
+    @property
+    def mlen(self) -> int:
+        if self.kv is not None:
+            return self.kv[0][0].shape[1]
+        return self.mems[0].shape[0] if self.mems is not None else 0
+
+
 def stream_transfo_xl(model, input_ids: Tensor, max_new_tokens: int = 20, do_sample: bool = False,
                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, eos_token_id=FROM_CONFIG,
                       pad_token_id=FROM_CONFIG, mems: list[Tensor] | None = None,
                       generator: torch.Generator | None = None, use_cache: bool = True) -> Iterator[Tensor]:
     """``generate_transfo_xl``'s new tokens ``(B,)`` one at a time, as they are chosen (arguments
     checked at the call)."""
-    from .model.inputs import _check_mems, _layer_mems
-    from .transfo_xl.model import TransfoXLCache
-
     c = model.config
     _check_prompt(input_ids, c.vocab_size, model.device)
     _int_arg("max_new_tokens", max_new_tokens, 0)

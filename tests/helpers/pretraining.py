@@ -1,10 +1,20 @@
-"""A small corpus and a tiny pretraining run, as a TrainConfig and as the command line that gives it."""
+"""A small corpus and a tiny pretraining run, as a TrainConfig and as the command line that gives it;
+the corpus's token stream read the simple way (the reference for prepared data); a checkpoint
+rewritten in the format before 0.1's sharded checkpoints."""
 
+import json
+import os
 import random
 import socket
 import sys
 
+import numpy as np
+import torch
+
 from xlnet_fast.pretrain import TrainConfig
+from xlnet_fast.pretrain.checkpoint import hash_file, read_model_state
+from xlnet_fast.pretrain.corpus import iter_documents
+from xlnet_fast.pretrain.tokenizer import EOD_ID
 
 WORDS = ("in the beginning god created heaven and earth light was good darkness upon face of deep "
          "spirit moved waters said let there be day night evening morning first second firmament").split()
@@ -21,6 +31,18 @@ def write_corpus(path, seed: int = 0, docs: int = 40) -> str:
                 f.write(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 15))) + ".\n")
             f.write("\n")
     return str(path)
+
+
+def reference_tokens(paths, tokenizer) -> np.ndarray:
+    """The token stream of the files ``paths`` (n,) int32, in one pass in this process: each document
+    of ``iter_documents`` as its lines encoded one by one (no special tokens), then ``<eod>`` — what
+    ``prepare_corpus`` must write, whatever its workers, chunks and shards."""
+    ids: list[int] = []
+    for doc in iter_documents(paths):
+        for line in doc:
+            ids.extend(tokenizer.encode(line, add_special_tokens=False))
+        ids.append(EOD_ID)
+    return np.asarray(ids, dtype=np.int32)
 
 
 def train_config(out, corpus: str, cache_dir, **overrides) -> TrainConfig:
@@ -44,3 +66,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def as_written_before_0_1(step_dir) -> None:
+    """Rewrite the checkpoint ``step_dir`` as xlnet_fast wrote checkpoints before 0.1's sharded ones:
+    the weights in ``model.safetensors``, ``trainer.pt`` (step, optimizer, scheduler), ``rank0.pt``
+    (RNG, data position, mems), no DCP index or shards, and ``COMPLETE`` the manifest of those files."""
+    from safetensors.torch import save_file
+
+    state = read_model_state(str(step_dir))
+    step = json.loads((step_dir / "COMPLETE").read_text())["step"]
+    for name in os.listdir(step_dir):
+        if name in (".metadata", "COMPLETE") or name.endswith(".distcp"):
+            os.remove(step_dir / name)
+    save_file(state, str(step_dir / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({"step": step, "optimizer": {}, "scheduler": {}}, step_dir / "trainer.pt")
+    torch.save({"rng": {"torch": torch.get_rng_state()}, "data": {}, "mems": None}, step_dir / "rank0.pt")
+    files = {name: hash_file(str(step_dir / name)) for name in sorted(os.listdir(step_dir))}
+    (step_dir / "COMPLETE").write_text(json.dumps({"step": step, "files": files}, indent=1))

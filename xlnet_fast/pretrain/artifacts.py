@@ -18,12 +18,12 @@ from ..model import XLNetLMHeadModel
 from .checkpoint import (check_checkpoint, list_checkpoints, load_model_weights, newest_readable, read_model_state,
                          read_run_record)
 from .errors import UsageError
+from .outputs import CHECKPOINT_DIR, directory_kind
 from .settings import TrainConfig
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
 
 logger = logging.getLogger(__name__)
 
-RUN_RECORD_NAME = "run.json"
 NO_VERIFY_NOTE = ("not comparing the checkpoint's files with the sha256 checksums in its COMPLETE (--no-verify): "
                   "COMPLETE must still be there and every file's size match it")
 
@@ -59,8 +59,8 @@ def resolve_model_dir(path: str, flag: str, verify: bool = True) -> ModelDir:
             raise UsageError(f"{flag} {path}: no readable checkpoint in {os.path.join(path, 'checkpoints')}"
                              + (f" ({len(found)} unreadable)" if found else ""))
         path = newest
-    if os.path.exists(os.path.join(path, RUN_RECORD_NAME)) or os.path.exists(os.path.join(path, "trainer.pt")):
-        check_checkpoint(path, checksums=verify)  # before anything of it is used
+    if directory_kind(path) == CHECKPOINT_DIR:
+        check_checkpoint(path, checksums=verify)  # before anything of it is used (a pre-0.1 one is refused)
         return ModelDir(path, read_run_record(path), verify)
     if os.path.exists(os.path.join(path, "config.json")):
         return ModelDir(path, None)

@@ -12,8 +12,8 @@ A checkpoint directory holds
 
 It is written to ``step_XXXXXXX.tmp``, every file fsynced, sealed by ``COMPLETE`` and renamed; the
 last ``keep`` are kept. Reading checks every file against the manifest before a checkpoint is used.
-Checkpoints of earlier versions (``model.safetensors``, ``trainer.pt``, ``rank*.pt``) are still
-checked and their weights read (``read_model_state``), but they do not resume.
+A checkpoint written before 0.1's sharded checkpoints (``trainer.pt``, ``model.safetensors``, no
+``.metadata``) is refused with a ``UsageError`` saying so.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import shutil
 import torch
 
 from ..config import XLNetConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, UsageError
 from .settings import STORED_SETTINGS, TrainConfig
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
 
@@ -117,14 +117,20 @@ def run_record(c: TrainConfig, step: int, world: int, run_info: dict, scheduler_
             **run_info, "scheduler": scheduler_state}
 
 
-def is_sharded(path: str) -> bool:
-    """A checkpoint written through ``torch.distributed.checkpoint`` (not by an earlier version)."""
-    return os.path.isfile(os.path.join(path, DCP_METADATA_NAME))
+_EARLIER_FORMAT_FILE = "trainer.pt"  # in every checkpoint written before 0.1's sharded ones, in none since
 
 
-def _read_manifest(path: str) -> tuple[int, dict | None]:
-    """``(step, files)`` from ``COMPLETE``; ``files`` is None for a checkpoint without a manifest."""
-    marker = os.path.join(path, "COMPLETE")
+def _refuse_earlier_format(path: str) -> None:
+    """``UsageError`` for a checkpoint directory written before 0.1's sharded checkpoints."""
+    if os.path.exists(os.path.join(path, _EARLIER_FORMAT_FILE)) and \
+            not os.path.exists(os.path.join(path, DCP_METADATA_NAME)):
+        raise UsageError(f"{path} was written by xlnet_fast before 0.1's sharded checkpoints ({_EARLIER_FORMAT_FILE}, "
+                         "model.safetensors), which this version does not read: re-run pretraining")
+
+
+def _read_manifest(path: str) -> tuple[int, dict]:
+    """``(step, files)`` from ``COMPLETE``."""
+    marker = os.path.join(path, MANIFEST_NAME)
     try:
         with open(marker) as f:
             content = json.load(f)
@@ -132,8 +138,6 @@ def _read_manifest(path: str) -> tuple[int, dict | None]:
         raise CheckpointError(f"{marker} is missing (the checkpoint was never finished)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{marker} is unreadable ({exc})") from None
-    if isinstance(content, int):
-        return content, None
     if not (isinstance(content, dict) and isinstance(content.get("step"), int)
             and isinstance(content.get("files"), dict)):
         raise CheckpointError(f"{marker} is not a checkpoint manifest")
@@ -168,23 +172,11 @@ def _load_checkpoint_file(directory: str, name: str):
             return XLNetConfig.from_pretrained(directory)
         if name == DCP_METADATA_NAME:
             return dcp_metadata(directory)
-        if name.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            state = load_file(path)
-            bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
-            if bad:
-                raise CheckpointError(f"{path} holds non-finite weights ({bad[0]}, ...)")
-            return state
-        if name.endswith(".pt"):
-            return torch.load(path, map_location="cpu", weights_only=False)
         if name == SPIECE_NAME:
             return XLNetTokenizer(path)
         if name.endswith(".json"):
             with open(path) as f:
                 return json.load(f)
-    except CheckpointError:
-        raise
     except Exception as exc:
         raise CheckpointError(f"{path} is unreadable ({type(exc).__name__}: {exc})") from None
     return None
@@ -201,16 +193,6 @@ def _check_shard_index(path: str, metadata, files: dict) -> None:
             raise CheckpointError(f"{os.path.join(path, name)} is shorter than {DCP_METADATA_NAME} says")
 
 
-def _check_sharded(path: str, step: int, files: dict | None, parsed: dict) -> None:
-    """A DCP checkpoint: sealed by a manifest, with ``run.json`` of its step and every shard."""
-    if files is None:
-        raise CheckpointError(f"{os.path.join(path, MANIFEST_NAME)} lists no files (not a sealed checkpoint)")
-    record = parsed.get(RUN_RECORD_NAME)
-    if not isinstance(record, dict) or record.get("step") != step:
-        raise CheckpointError(f"{os.path.join(path, RUN_RECORD_NAME)} is missing or not the record of step {step}")
-    _check_shard_index(path, parsed[DCP_METADATA_NAME], files)
-
-
 # checkpoints whose checksums were verified in this process, by the files' (name, size, mtime):
 # reading one again (a run directory resolved, then its weights read) does not hash it again
 _verified: dict[tuple, int] = {}
@@ -225,13 +207,14 @@ def check_checkpoint(path: str, checksums: bool = True) -> int:
     """Read every file of a training checkpoint and return its step.
 
     Files listed in the ``COMPLETE`` manifest must exist with their size and (``checksums``) sha256;
-    every file of a known kind must parse; the DCP index must point only into listed shards. A
-    checkpoint of an earlier version without a manifest needs ``trainer.pt`` and whatever else it holds
-    to parse (its weights finite). Raises ``CheckpointError`` naming the first bad file (a directory
-    without ``COMPLETE``, e.g. an unfinished ``step_N.tmp``, is one)."""
+    every file of a known kind must parse; ``run.json`` must be the record of the manifest's step and
+    the DCP index must point only into listed shards. Raises ``CheckpointError`` naming the first bad
+    file (a directory without ``COMPLETE``, e.g. an unfinished ``step_N.tmp``, is one), and a
+    ``UsageError`` for a checkpoint written before 0.1's sharded checkpoints."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is not a checkpoint directory")
+    _refuse_earlier_format(path)
     key = _stat_key(path)
     if key in _verified:
         return _verified[key]
@@ -243,19 +226,16 @@ def check_checkpoint(path: str, checksums: bool = True) -> int:
 
 def _check_checkpoint(path: str, checksums: bool) -> int:
     step, files = _read_manifest(path)
-    if files is not None:
-        for name, expected in sorted(files.items()):
-            _verify_file(os.path.join(path, name), expected, checksums)
-        names = sorted(files)
-    else:
-        names = sorted(n for n in os.listdir(path) if n != MANIFEST_NAME)
-        if "trainer.pt" not in names:
-            raise CheckpointError(f"{os.path.join(path, 'trainer.pt')} is missing")
-    parsed = {name: _load_checkpoint_file(path, name) for name in names}
-    if DCP_METADATA_NAME in parsed:
-        _check_sharded(path, step, files, parsed)
-    elif not isinstance(parsed.get("trainer.pt"), dict) or parsed["trainer.pt"].get("step") != step:
-        raise CheckpointError(f"{os.path.join(path, 'trainer.pt')} is not the trainer state of step {step}")
+    for name in (DCP_METADATA_NAME, RUN_RECORD_NAME):
+        if name not in files:
+            raise CheckpointError(f"{os.path.join(path, MANIFEST_NAME)} does not list {name} (not a sealed checkpoint)")
+    for name, expected in sorted(files.items()):
+        _verify_file(os.path.join(path, name), expected, checksums)
+    parsed = {name: _load_checkpoint_file(path, name) for name in sorted(files)}
+    record = parsed[RUN_RECORD_NAME]
+    if not isinstance(record, dict) or record.get("step") != step:
+        raise CheckpointError(f"{os.path.join(path, RUN_RECORD_NAME)} is not the record of step {step}")
+    _check_shard_index(path, parsed[DCP_METADATA_NAME], files)
     if _STEP_DIR.fullmatch(os.path.basename(path)) and _dir_step(path) != step:
         raise CheckpointError(f"{os.path.join(path, MANIFEST_NAME)} says step {step}, not the directory's step")
     return step
@@ -315,7 +295,7 @@ def empty_entries(metadata, prefix: tuple[str, ...]) -> dict:
 def read_model_state(path: str, verify: bool = True) -> dict[str, torch.Tensor]:
     """A checkpoint's full model state on the CPU, under transformers' parameter names (tied weights
     once, as ``save_pretrained`` writes them), read in this process alone from the DCP shards of any
-    number of ranks (or from ``model.safetensors`` of an earlier version's checkpoint).
+    number of ranks.
 
     The checkpoint is checked first (``check_checkpoint``: ``COMPLETE`` present, every file's size
     and, unless ``verify=False``, sha256); any problem is a ``CheckpointError`` naming the file."""
@@ -324,10 +304,6 @@ def read_model_state(path: str, verify: bool = True) -> dict[str, torch.Tensor]:
     path = os.fspath(path)
     check_checkpoint(path, checksums=verify)
     try:
-        if not is_sharded(path):
-            from safetensors.torch import load_file
-
-            return load_file(os.path.join(path, "model.safetensors"))
         state = {MODEL_KEY: empty_entries(dcp_metadata(path), (MODEL_KEY,))}
         dcp_load(state, path, no_dist=True)
     except (Exception, CheckpointException) as exc:  # checked, yet unreadable (damaged, not verified)

@@ -1,4 +1,5 @@
-"""Permutation-LM data: text -> token shard on disk -> XLNet pretraining batches (docs/DESIGN.md §7).
+"""Permutation-LM data: a token stream (prepared shards, ``prepare.py``) -> XLNet pretraining batches
+(docs/DESIGN.md §7).
 
 Each batch row is a contiguous token stream, read ``reuse_len`` tokens further every step, so the
 mems a row carries to the next step cover the text that precedes it. A record is
@@ -12,213 +13,17 @@ never L×L masks. With ``bi_data`` the second half of the rows reads the first h
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..masks import local_perm
 from .errors import UsageError
-from .tokenizer import CLS_ID, EOD_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, SPECIAL_TOKENS, XLNetTokenizer
-
-if TYPE_CHECKING:
-    from .prepare import TokenShards
-
-
-# --------------------------------------------------------------------------------------------------
-# Corpus -> token shard
-# --------------------------------------------------------------------------------------------------
-
-
-JSONL_SUFFIXES = (".jsonl", ".ndjson")  # JSON lines, whatever the case of the suffix (.JSONL, .NDJSON)
-
-
-def is_jsonl(path: str | os.PathLike) -> bool:
-    """Whether a data file is read as JSON lines (one record with a ``text`` field per line) rather
-    than as plain text."""
-    return os.path.splitext(os.fspath(path))[1].lower() in JSONL_SUFFIXES
-
-
-def decode_line(path: str, lineno: int, raw: bytes) -> str:
-    """One line of a UTF-8 file as text; other bytes are an error naming the file and line."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
-                         f"{exc.start + 1})") from None
-
-
-def _decoded_lines(path: str) -> Iterator[tuple[int, str]]:
-    """``(line number, text)`` of a UTF-8 file; other bytes are an error naming the file and line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            yield lineno, decode_line(path, lineno, raw)
-
-
-def jsonl_record(path: str, lineno: int, line: str) -> tuple[str, object]:
-    """The ``text`` and the document key (``book`` or ``doc``) of one ``.jsonl`` line."""
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(rec, dict) or "text" not in rec:
-        raise UsageError(f"{path}:{lineno}: expected a JSON object with a 'text' field")
-    if not isinstance(rec["text"], str):
-        raise UsageError(f"{path}:{lineno}: 'text' must be a string, got {type(rec['text']).__name__}")
-    return rec["text"], rec.get("book", rec.get("doc"))
-
-
-def _jsonl_documents(path: str) -> Iterator[list[str]]:
-    doc: list[str] = []
-    current = None
-    for lineno, line in _decoded_lines(path):
-        if not line.strip():
-            continue
-        text, key = jsonl_record(path, lineno, line)
-        if key != current and doc:
-            yield doc
-            doc = []
-        current = key
-        doc.append(text)
-    if doc:
-        yield doc
-
-
-def _text_documents(path: str) -> Iterator[list[str]]:
-    doc: list[str] = []
-    for _, line in _decoded_lines(path):
-        if line.strip():
-            doc.append(line.strip())
-        elif doc:
-            yield doc
-            doc = []
-    if doc:
-        yield doc
-
-
-def iter_documents(paths: Iterable[str | os.PathLike]) -> Iterator[list[str]]:
-    """Documents as lists of text lines. ``.jsonl``/``.ndjson`` (any case): one record per line with a
-    string ``text`` field; a new ``book`` (or ``doc``) value starts a new document. Other files: plain
-    text, a blank line ends a document. Files must be UTF-8; a bad line raises ``UsageError`` naming the
-    file and line."""
-    for path in paths:
-        path = os.fspath(path)
-        yield from (_jsonl_documents(path) if is_jsonl(path) else _text_documents(path))
-
-
-def iter_lines(paths: Iterable[str | os.PathLike]) -> Iterator[str]:
-    for doc in iter_documents(paths):
-        yield from doc
-
-
-def check_readable(paths: Iterable[str | os.PathLike]) -> None:
-    """``UsageError`` naming the first path that is not a readable regular file."""
-    for p in map(os.fspath, paths):
-        if not os.path.exists(p):
-            raise UsageError(f"data file not found: {p}")
-        if not os.path.isfile(p):
-            raise UsageError(f"data file is not a regular file: {p}")
-        try:
-            with open(p, "rb"):
-                pass
-        except OSError as exc:
-            raise UsageError(f"data file cannot be read: {p} ({exc.strerror})") from None
-
-
-def check_corpus(paths: Iterable[str | os.PathLike]) -> None:
-    """Read every file once: readable, UTF-8, valid records, and some text in each file; the first
-    problem is a ``UsageError`` naming the file (and line)."""
-    paths = [os.fspath(p) for p in paths]
-    check_readable(paths)
-    for p in paths:
-        has_text = False
-        for line in iter_lines([p]):  # to the end: every line is checked
-            has_text = has_text or bool(line.strip())
-        if not has_text:
-            raise UsageError(f"{p}: no text (the file is empty or holds only blank lines)")
-
-
-def file_digest(path: str) -> str:
-    """sha256 of the file's bytes (streamed) and of how it is parsed (``.jsonl`` or plain text)."""
-    h = hashlib.sha256(b"jsonl:" if is_jsonl(path) else b"text:")
-    try:
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except OSError as exc:
-        raise UsageError(f"data file cannot be read: {path} ({exc.strerror})") from None
-    return h.hexdigest()
-
-
-def corpus_digest(paths: Iterable[str | os.PathLike]) -> str:
-    """A digest of the files' contents in the given order (the order of the token stream)."""
-    return combine_digests(file_digest(os.fspath(p)) for p in paths)
-
-
-def combine_digests(file_digests: Iterable[str]) -> str:
-    """``corpus_digest`` from the files' ``file_digest`` values, in order."""
-    h = hashlib.sha256()
-    for d in file_digests:
-        h.update(d.encode())
-    return h.hexdigest()
-
-
-def corpus_fingerprint(paths: Iterable[str | os.PathLike], extra: str = "") -> str:
-    """A short cache key from the files' contents (not their names, sizes or times) and ``extra``."""
-    return hashlib.sha256(f"{extra}:{corpus_digest(paths)}".encode()).hexdigest()[:16]
-
-
-def _cached_tokens(out_path: str, fingerprint: str) -> np.memmap | None:
-    meta_path = out_path + ".json"
-    if not (os.path.exists(out_path) and os.path.exists(meta_path)):
-        return None
-    try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if meta.get("fingerprint") != fingerprint or os.path.getsize(out_path) != 4 * meta.get("num_tokens", -1):
-        return None
-    return np.memmap(out_path, dtype=np.int32, mode="r")
-
-
-def build_token_file(paths: list[str], tokenizer: XLNetTokenizer, out_path: str,
-                     fingerprint: str | None = None) -> np.memmap:
-    """Encode the corpus into an int32 token file (written streaming; ``<eod>`` ends each document).
-    Reuses an existing file built from the same contents with the same tokenizer model; ``fingerprint``
-    (of both) is computed when not given."""
-    if fingerprint is None:
-        with open(tokenizer.model_file, "rb") as f:
-            fingerprint = corpus_fingerprint(paths, extra=hashlib.sha256(f.read()).hexdigest())
-    cached = _cached_tokens(out_path, fingerprint)
-    if cached is not None:
-        return cached
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = f"{out_path}.tmp{os.getpid()}"
-    n = 0
-    with open(tmp, "wb") as f:
-        for doc in iter_documents(paths):
-            ids: list[int] = []
-            for line in doc:
-                ids.extend(tokenizer.encode(line, add_special_tokens=False))
-            ids.append(EOD_ID)
-            np.asarray(ids, dtype=np.int32).tofile(f)
-            n += len(ids)
-    if n == 0:
-        os.remove(tmp)
-        raise UsageError(f"no text found in {[os.fspath(p) for p in paths]}")
-    os.replace(tmp, out_path)
-    meta_tmp = f"{out_path}.json.tmp{os.getpid()}"
-    with open(meta_tmp, "w") as f:
-        json.dump({"fingerprint": fingerprint, "num_tokens": n, "sources": [os.fspath(p) for p in paths],
-                   "vocab_size": tokenizer.vocab_size}, f)
-    os.replace(meta_tmp, out_path + ".json")
-    return np.memmap(out_path, dtype=np.int32, mode="r")
+from .prepare import TokenShards, tokenizer_digest
+from .tokenizer import CLS_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, SPECIAL_TOKENS, XLNetTokenizer
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,8 +132,6 @@ class DataConfig:
 def _token_stream(tokens, tokenizer: XLNetTokenizer):
     """``tokens`` as something ``PretrainBatches`` indexes: an array, or ``TokenShards`` checked
     against the tokenizer."""
-    from .prepare import TokenShards, tokenizer_digest
-
     if isinstance(tokens, (str, os.PathLike)):
         tokens = TokenShards(tokens)
     if isinstance(tokens, TokenShards):
@@ -345,7 +148,7 @@ def _token_stream(tokens, tokenizer: XLNetTokenizer):
 class PretrainBatches:
     """Deterministic, resumable batches for one rank.
 
-    ``global_rows`` streams split the token file into contiguous parts (with ``bi_data``, the second
+    ``global_rows`` streams split the token stream into contiguous parts (with ``bi_data``, the second
     half of the rows are the first half's streams reversed); this rank reads rows
     ``[rank * rows, (rank + 1) * rows)``. Every row has its own position and random generator, so the
     batches of a rank do not depend on the number of ranks.
@@ -353,8 +156,8 @@ class PretrainBatches:
 
     def __init__(self, tokens: np.ndarray | TokenShards | str | os.PathLike, tokenizer: XLNetTokenizer,
                  cfg: DataConfig, rows: int, rank: int = 0, world_size: int = 1) -> None:
-        """``tokens``: the token stream, as one array (``build_token_file``) or prepared data
-        (``TokenShards`` or its directory, from ``prepare_corpus``; it must be ``tokenizer``'s)."""
+        """``tokens``: the token stream, as one 1-d array of ids or prepared data (``TokenShards`` or
+        its directory, from ``prepare_corpus``; it must be ``tokenizer``'s)."""
         c = cfg
         c.check()
         tokens = _token_stream(tokens, tokenizer)

@@ -22,10 +22,14 @@ import os
 import numpy as np
 import torch
 
-from .data import DataConfig, PretrainBatches, check_corpus, check_readable, model_on_batch
+from .artifacts import load_lm, load_tokenizer, resolve_model_dir
+from .corpus import check_corpus, check_readable
+from .data import DataConfig, PretrainBatches, model_on_batch
 from .distributed import all_sum
 from .errors import UsageError
+from .outputs import default_cache_dir
 from .prepare import TokenShards, data_digest, prepared_directory, prepared_tokens
+from .settings import PRESETS
 from .tokenizer import XLNetTokenizer
 
 logger = logging.getLogger(__name__)
@@ -187,8 +191,6 @@ LAYOUT_SETTINGS = ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size"
 def _eval_settings(src, overrides: dict) -> dict:
     """The record layout, rows and batches: the run's for a training checkpoint, else the 'base'
     preset's; ``overrides`` (not None) replace them. ``world``: the run's number of ranks."""
-    from .settings import PRESETS
-
     if src.is_checkpoint:
         stored = src.record["settings"]
         s = {n: stored[n] for n in LAYOUT_SETTINGS}
@@ -251,9 +253,6 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
     prepared directory; default: the text the run evaluated on), as one JSON-able dict. ``layout``:
     ``LAYOUT_SETTINGS`` overrides; ``verify``: compare a checkpoint with its checksums;
     ``verify_data``: hash every shard of prepared data."""
-    from .artifacts import load_lm, load_tokenizer, resolve_model_dir
-    from .run_dir import default_cache_dir
-
     src = resolve_model_dir(model, "--model", verify=verify)
     s = _eval_settings(src, {**layout, "eval_batches": batches})
     tok = load_tokenizer(src, tokenizer)

@@ -26,7 +26,8 @@ import torch
 from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
 from .checkpoint import hash_file
-from .data import PretrainBatches, iter_lines, model_on_batch
+from .corpus import iter_lines
+from .data import PretrainBatches, model_on_batch
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
 from .evaluate import hold_out_tail, training_evaluator

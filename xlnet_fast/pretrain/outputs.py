@@ -12,6 +12,9 @@ written.
   directory; it deletes only its own entries (``checkpoints/step_N``, ``metrics.jsonl``).
 
 A refusal is a ``UsageError`` naming the flag, the path and the reason.
+
+The cache directory (tokenizers trained on the data, prepared token shards) is ``--cache-dir``, else
+``$XLNET_FAST_CACHE``, else ``~/.cache/xlnet_fast`` (``default_cache_dir``).
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ from collections.abc import Callable, Iterable
 
 from .errors import UsageError
 
+CACHE_ENV = "XLNET_FAST_CACHE"  # the cache directory when --cache-dir is not given
 RUN_DIR = "a pretraining run directory"
 CHECKPOINT_DIR = "a training checkpoint"
 PREPARED_DIR = "prepared data"
 
 # owned(relative path inside the output, is_dir) -> whether the command writes that entry
 Owned = Callable[[str, bool], bool]
+
+
+def default_cache_dir(given: str | None = None) -> str:
+    """The cache directory: ``given`` (``--cache-dir``), else ``$XLNET_FAST_CACHE``, else
+    ``~/.cache/xlnet_fast``."""
+    return given or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "xlnet_fast")
 
 
 def _real(path: str | os.PathLike) -> str:
@@ -43,7 +53,7 @@ def directory_kind(path: str) -> str | None:
     if not os.path.isdir(path):
         return None
     has = lambda name: os.path.lexists(os.path.join(path, name))  # noqa: E731
-    if has("COMPLETE") or has("run.json") or has(".metadata") or has("trainer.pt"):
+    if has("COMPLETE") or has("run.json") or has(".metadata"):
         return CHECKPOINT_DIR
     if os.path.isdir(os.path.join(path, "checkpoints")) or has("run.lock") or has("metrics.jsonl"):
         return RUN_DIR

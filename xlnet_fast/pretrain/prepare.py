@@ -2,9 +2,10 @@
 
 ``prepare_corpus`` reads the corpus in chunks of lines, encodes the chunks in worker processes and
 writes the results in order, so the output is byte-identical whatever the number of workers and
-memory stays bounded whatever the corpus size. The token stream is ``build_token_file``'s: each
-document's lines encoded one by one (no special tokens), then ``<eod>``; ``.jsonl`` documents are
-runs of records with the same ``book`` (or ``doc``) value, text documents end at a blank line.
+memory stays bounded whatever the corpus size. The token stream: each document of
+``corpus.iter_documents`` as its lines encoded one by one (no special tokens), then ``<eod>``;
+``.jsonl`` documents are runs of records with the same ``book`` (or ``doc``) value, text documents
+end at a blank line.
 
 A prepared directory::
 
@@ -58,7 +59,7 @@ try:
 except ImportError:  # not POSIX: concurrent prepares of one directory are not serialised
     fcntl = None
 
-from .data import check_readable, combine_digests, corpus_digest, decode_line, file_digest, is_jsonl, jsonl_record
+from .corpus import check_readable, combine_digests, corpus_digest, decode_line, file_digest, is_jsonl, jsonl_record
 from .errors import UsageError, naming_path
 from .outputs import PREPARED_DIR, check_output_dir
 from .tokenizer import EOD_ID, SPIECE_NAME, TOKENIZER_FILES, XLNetTokenizer
@@ -185,8 +186,8 @@ class _Encoded:
 
 
 def encode_chunk(tokenizer: XLNetTokenizer, chunk: _Chunk) -> _Encoded:
-    """Decode, parse and encode each line of ``chunk`` as ``build_token_file`` does (no special
-    tokens); a bad line raises ``UsageError`` naming the file and line."""
+    """Decode, parse and encode each line of ``chunk`` as ``corpus.iter_documents`` reads it (no
+    special tokens); a bad line raises ``UsageError`` naming the file and line."""
     ids: list[int] = []
     counts: list[int] = []
     blank: list[bool] = []
@@ -952,13 +953,6 @@ class TokenShards:
 
     def tokenizer_dir(self) -> str:
         return os.path.join(self.directory, TOKENIZER_DIR)
-
-    def document_ends(self) -> np.ndarray:
-        """(num_documents,) int64: the end (exclusive) of each document in the stream (within ``len()``)."""
-        parts = [np.fromfile(os.path.join(self.directory, docs_name(i)), dtype="<i8") + self._starts[i]
-                 for i in range(len(self._maps))]
-        ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        return ends[ends <= self._len]
 
     def head(self, n: int) -> "TokenShards":
         """The first ``n`` tokens as a ``TokenShards`` over the same memory maps (no copy)."""

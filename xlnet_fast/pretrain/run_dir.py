@@ -20,13 +20,12 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from .checkpoint import (checkpoint_root, hash_file, is_sharded, list_checkpoints, newest_readable, read_run_record,
-                         write_synced)
-from .data import check_corpus, check_readable, corpus_digest
+from .checkpoint import checkpoint_root, hash_file, list_checkpoints, newest_readable, read_run_record, write_synced
+from .corpus import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
-from .outputs import RUN_DIR, check_output_dir
-from .prepare import TOKENIZER_DIR, TokenShards, data_digest, prepared_directory, tokenizer_digest
 from .evaluate import check_eval_files
+from .outputs import RUN_DIR, check_output_dir, default_cache_dir
+from .prepare import TOKENIZER_DIR, TokenShards, data_digest, prepared_directory, tokenizer_digest
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
@@ -40,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 METRICS_NAME = "metrics.jsonl"
 LOCK_NAME = "run.lock"
-CACHE_ENV = "XLNET_FAST_CACHE"  # the cache directory when --cache-dir is not given
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,10 +183,6 @@ def cache_root(c: TrainConfig) -> str:
     return default_cache_dir(c.cache_dir)
 
 
-def default_cache_dir(given: str | None = None) -> str:
-    return given or os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "xlnet_fast")
-
-
 def _make_out_dir(out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory")
@@ -214,10 +208,6 @@ def _find_start(cfg: TrainConfig) -> _Start:
                              "warnings above): pass --overwrite to start over")
         logger.warning("--resume: no checkpoint in %s: starting from step 0", root)
         return _Start()
-    if not is_sharded(path):
-        raise UsageError(f"--resume: {path} was written by an earlier version of xlnet_fast (model.safetensors, "
-                         "trainer.pt), which this one cannot resume; its weights still load with "
-                         "checkpoint.load_model_weights: start a new run with --overwrite or another --out")
     record = read_run_record(path)
     return _Start(path, record["step"], record, existing, rejected)
 

@@ -57,7 +57,7 @@ def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_seg
 def encode_files(paths: list[str], tokenizer) -> Tensor:
     """Every line of the UTF-8 files, blank ones included, as symbols plus ``<eos>`` (the original
     corpus encoding), one stream of ids."""
-    from ..pretrain.data import decode_line
+    from ..pretrain.corpus import decode_line
 
     ids: list[int] = []
     for path in paths:
@@ -74,7 +74,7 @@ def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int
     """``xlnet-fast eval`` for a Transformer-XL directory: perplexity of the text files ``data``.
     ``mem_len``, ``clamp_len``, ``same_length``: the model's unless given; ``batches``: at most this
     many segments. A user's mistake is a ``UsageError``."""
-    from ..pretrain.data import check_readable
+    from ..pretrain.corpus import check_readable
     from .model import TransfoXLLMHeadModel
     from .tokenizer import TransfoXLTokenizer
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import attention_probabilities, rel_attention
+from ..generation import TransfoXLCache, generate_transfo_xl
 from ..masks import StreamMasks, causal_masks
 from ..model.inputs import _check_mems, _check_tokens, _layer_mems
 from ..model.outputs import ModelOutput
@@ -303,7 +304,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         return out if return_dict else out.to_tuple()
 
     @torch.no_grad()
-    def generation_step(self, input_ids: Tensor, cache: "TransfoXLCache") -> Tensor:
+    def generation_step(self, input_ids: Tensor, cache: TransfoXLCache) -> Tensor:
         """``input_ids (B, L)`` after the memory ``cache`` holds; returns the last hidden states
         ``(B, L, d_model)`` and updates the cache. Equal to ``forward`` with the same memory, but the
         memory's keys and values and the relative positions are not projected again."""
@@ -327,24 +328,6 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             kvs.append((k[:, keep:], v[:, keep:]))
         cache.kv, cache.mems = kvs, None
         return self.drop(h)
-
-
-@dataclass
-class TransfoXLCache:
-    """What generation carries between steps: each layer's keys and values of the memory rows
-    ``(B, mlen, H, D)`` (the last ``mem_len``), and each layer's projected relative positions
-    ``(1, R, H, D)`` for the longest key count so far. Starts from ``mems`` (hidden states, per
-    layer ``(mlen, B, d)``) or empty."""
-
-    mems: list[Tensor] | None = None
-    kv: list[tuple[Tensor, Tensor]] | None = None
-    k_r: list[Tensor] | None = None
-
-    @property
-    def mlen(self) -> int:
-        if self.kv is not None:
-            return self.kv[0][0].shape[1]
-        return self.mems[0].shape[0] if self.mems is not None else 0
 
 
 def _check_labels(labels, B: int, L: int, vocab_size: int, device) -> None:
@@ -459,8 +442,6 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel):
 
     def generate(self, input_ids: Tensor, max_new_tokens: int = 20, **kwargs: Any) -> Tensor:
         """Sample or decode greedily with memory: see ``xlnet_fast.generation.generate_transfo_xl``."""
-        from ..generation import generate_transfo_xl
-
         return generate_transfo_xl(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
 
 
