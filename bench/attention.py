@@ -14,7 +14,7 @@ precomputed and gathered at ``qlen + j - i`` in a ``score_mod`` with the segment
 as a ``mask_mod`` block mask built once per batch, outside the timed call like HF's dense mask;
 ``torch.compile``d on CUDA, eager forward only on CPU), ``sdpa_flash`` (``scaled_dot_product_attention``
 with the flash backend on plain attention of the same B, H, M, K, D — the physical reference) and
-``fa2_ref`` (``bench.fa2_reference``, the plain FlashAttention-2 Triton kernel the compile report
+``fa2_ref`` (``bench.compiler.fa2_reference``, the plain FlashAttention-2 Triton kernel the compile report
 counts against, at its 128x64 w8 s2 tile). Median time by CUDA events (``triton.testing.do_bench``)
 after warm-up; TFLOP/s counted as 4·B·H·M·K·D forward (FlashAttention's convention, ×2.5 for
 fwd+bwd; the relative term's work is not counted); peak memory above the inputs; an out-of-memory
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import warnings
 
@@ -41,7 +42,7 @@ CPU_PROVIDERS = ("eager", "hf")
 # providers that compute XLNet attention (the others: plain attention of the same shapes)
 XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex")
 FLOPS_CONVENTION = "4*B*H*M*K*D fwd, x2.5 fwd+bwd"
-# the tile of bench.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
+# the tile of bench.compiler.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
 FA2_REF_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
 FA2_REF_INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # torch.compile's recompile limit for the flex provider: one graph per shape, mode and dtype
@@ -146,22 +147,30 @@ def _flex_call(leaves: dict, index: dict):
     return run
 
 
-def _fa2_ref_call(leaves: dict):
-    """``bench.fa2_reference``'s forward on the same B, H, M, K, D (plain attention)."""
-    from bench import fa2_reference
+def _fa2_ref_call(leaves: dict, backward: bool = False):
+    """``bench.compiler.fa2_reference`` on the same B, H, M, K, D (plain attention): its forward, or
+    with ``backward`` the forward and its own backward kernels (no autograd) for a fixed upstream
+    gradient."""
+    from bench.compiler import fa2_reference
 
     q, k, v = leaves["q"], leaves["k"], leaves["v"]
     tiles = FA2_REF_TILES if q.is_cuda else FA2_REF_INTERPRETER_TILES
-    return lambda: fa2_reference.forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]), **tiles)[0]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dout = cases.random_like(q, seed=1) if backward else None
+
+    def run():
+        out, lse = fa2_reference.forward(q, k, v, scale, **tiles)
+        return fa2_reference.backward(dout, q, k, v, out, lse, scale, **tiles) if backward else out
+    return run
 
 
-def provider_call(name: str, inputs: cases.AttentionInputs, leaves: dict):
+def provider_call(name: str, inputs: cases.OpCall, leaves: dict):
     """A zero-argument callable returning ``name``'s attention output on ``leaves`` (the case's
     float arguments, possibly requiring grad): ``(B, M, H, D)``, ``(M, B, H, D)`` for ``hf``, ``(B, H,
     M, D)`` for ``sdpa_flash``."""
     if name in ("xlnet_fast", "xlnet_fast_det", "eager"):
         backend = "eager" if name == "eager" else "triton"
-        return lambda: inputs.call(leaves, backend=backend)
+        return lambda: inputs.with_floats(leaves).call(backend=backend)
     if name == "hf":
         return _hf_call(leaves, inputs.index)
     if name == "flex":
@@ -173,27 +182,13 @@ def provider_call(name: str, inputs: cases.AttentionInputs, leaves: dict):
     raise ValueError(f"unknown provider {name!r}")
 
 
-def provider_output(name: str, inputs: cases.AttentionInputs, leaves: dict | None = None) -> torch.Tensor:
+def provider_output(name: str, inputs: cases.OpCall, leaves: dict | None = None) -> torch.Tensor:
     """``name``'s forward output on the case's floats (or ``leaves``) as ``(B, M, H, D)``."""
     with torch.no_grad():
         out = provider_call(name, inputs, dict(inputs.floats if leaves is None else leaves))()
     if name == "hf":
         return out.transpose(0, 1)
     return out.transpose(1, 2) if name == "sdpa_flash" else out
-
-
-def _fa2_ref_fwd_bwd(inputs: cases.AttentionInputs):
-    from bench import fa2_reference
-
-    q, k, v = (inputs.floats[n] for n in ("q", "k", "v"))
-    tiles = FA2_REF_TILES if q.is_cuda else FA2_REF_INTERPRETER_TILES
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    dout = cases.random_like(q, seed=1)
-
-    def step():
-        out, lse = fa2_reference.forward(q, k, v, scale, **tiles)
-        return fa2_reference.backward(dout, q, k, v, out, lse, scale, **tiles)
-    return step
 
 
 def _deterministic(run):
@@ -204,10 +199,10 @@ def _deterministic(run):
     return step
 
 
-def provider_fn(name: str, inputs: cases.AttentionInputs, mode: str):
+def provider_fn(name: str, inputs: cases.OpCall, mode: str):
     """A zero-argument callable running one forward (and backward) of ``name``."""
     if name == "fa2_ref" and mode == "fwd_bwd":  # no autograd: its own backward kernels
-        return _fa2_ref_fwd_bwd(inputs)
+        return _fa2_ref_call(inputs.floats, backward=True)
     leaves = {k: v.detach().requires_grad_(mode == "fwd_bwd") for k, v in inputs.floats.items()}
     run = provider_call(name, inputs, leaves)
     if mode == "fwd":
@@ -274,13 +269,42 @@ def _cpu_plan(plan: list) -> int | None:
     return None
 
 
-def record(env: dict, dtype_name: str, case: cases.AttentionCase, mode: str, prov: str, ms, peak) -> dict:
-    """One ``xlnet_attn`` record; TFLOP/s by ``FLOPS_CONVENTION``."""
+def unavailable(provider: str, mode: str, device: str) -> str | None:
+    """Why ``provider`` cannot run in ``mode`` here, or None (on CPU the Triton providers need
+    Triton's interpreter)."""
+    if device == "cuda":
+        return None
+    if provider == "sdpa_flash":
+        return "needs CUDA (the flash backend)"
+    if provider == "flex" and mode == "fwd_bwd":
+        return "needs CUDA (FlexAttention has no backward on CPU)"
+    if provider in ("xlnet_fast", "xlnet_fast_det", "fa2_ref") and os.environ.get("TRITON_INTERPRET") != "1":
+        return "needs CUDA (or Triton's interpreter)"
+    return None
+
+
+def agreement(inputs: cases.OpCall, providers: list) -> dict:
+    """Relative error of each provider's forward output against the eager backend in float32 on the
+    same (upcast) tensors: the XLNet providers compute the same attention."""
+    ref = provider_output("eager", inputs.to(dtype=torch.float32)).float()
+    errs = {name: float((provider_output(name, inputs).float() - ref).norm() / ref.norm()) for name in providers}
+    return {"rel_err_vs_eager_fp32": errs}
+
+
+def measure(inputs: cases.OpCall, case: cases.AttentionCase, dtype_name: str, mode: str, provider: str,
+            device: str, cpu_repeats: int = runner.CPU_REPEATS) -> dict:
+    """One ``xlnet_attn`` record of ``provider`` on ``inputs`` (``case``'s call), also printed: the
+    median ms, TFLOP/s by ``FLOPS_CONVENTION``, the peak memory above the inputs; ``status``
+    ``oom`` when it ran out of memory."""
+    ms, peak = runner.measure(lambda: provider_fn(provider, inputs, mode), device, cpu_repeats)
     flops = 4 * case.B * case.H * case.qlen * case.klen * case.D * (2.5 if mode == "fwd_bwd" else 1)
     tflops = flops / (ms * 1e-3) / 1e12 if ms != runner.OOM else None
-    return {**env, "op": "xlnet_attn", "provider": prov, "mode": mode, "dtype": dtype_name, "B": case.B,
-            "H": case.H, "L": case.qlen, "mlen": case.mlen, "D": case.D, "ms": ms, "tflops": tflops,
-            "peak_mem_mb": peak, "tokens_per_s": None, "flops_convention": FLOPS_CONVENTION}
+    print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {provider:14} "
+          + ("OOM" if tflops is None else f"{ms:9.3f} ms {tflops:7.1f} TFLOP/s")
+          + (f" peak {peak:,.0f} MiB" if peak is not None else ""), flush=True)
+    return {"op": "xlnet_attn", "status": "ok" if tflops is not None else "oom", "provider": provider, "mode": mode,
+            "dtype": dtype_name, "B": case.B, "H": case.H, "L": case.qlen, "mlen": case.mlen, "D": case.D, "ms": ms,
+            "tflops": tflops, "peak_mem_mb": peak, "tokens_per_s": None, "flops_convention": FLOPS_CONVENTION}
 
 
 def main(argv=None) -> int:
@@ -292,20 +316,13 @@ def main(argv=None) -> int:
         refused = _cpu_plan(plan)
         if refused is not None:
             return refused
-    env, records, inputs = runner.environment(), [], None
+    env, records, drawn, inputs = runner.environment(), [], None, None
     for dtype_name, case, mode, prov in plan:
-        if inputs is None or inputs.case != case:
+        if drawn != case:
             inputs = None  # free the previous case's tensors first
-            inputs = cases.attention_inputs(case, device)
-        ms, peak = runner.measure(lambda: provider_fn(prov, inputs, mode), device)
-        records.append(record(env, dtype_name, case, mode, prov, ms, peak))
-        ms_s = ms if ms == runner.OOM else f"{ms:9.3f} ms"
-        tf_s = f"{records[-1]['tflops']:7.1f} TFLOP/s" if records[-1]["tflops"] else ""
-        print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {prov:11} "
-              f"{ms_s} {tf_s}")
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, records)
+            inputs, drawn = cases.attention_inputs(case, device), case
+        records.append({**env, **measure(inputs, case, dtype_name, mode, prov, device)})
+    runner.write_records(args, RECORDS, records)
     return 0
 
 

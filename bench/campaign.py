@@ -1,47 +1,44 @@
-"""The GPU campaign in one command: environment and ceilings, correctness on the compiled kernels,
-the attention sweep against transformers, FlexAttention and SDPA-flash, the pretraining step, the
-autotuner's choices and plots — time-boxed, every failure recorded, a summary table last.
+"""The GPU campaign in one command, time-boxed: environment and ceilings, correctness of the compiled
+kernels, the attention sweep, the pretraining step, memory reuse and generation, the autotuner's
+choices, plots and a summary table last, every failure recorded.
 
     python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep pretrain memory plots]
-                             [--sweep-D 64 128] [--sweep-providers xlnet_fast sdpa_flash ...]
+                             [--sweep-D 64 128]
     python -m bench.campaign --out DIR --cpu-dry-run [--budget-min 3]   # the orchestration on CPU, tiny shapes
     python -m bench.campaign --report RECORDS.jsonl [MORE.jsonl ...] [--out DIR]
 
-Steps (``bench.campaign_steps`` has what each measures in each mode):
-a. ``env``: device, SM count, versions; the bf16 matmul (TFLOP/s) and device-to-device copy (GB/s)
-   ceilings measured on random data;
-b. ``correctness``: the suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (the
-   compiled kernels pinned to one config, ``bench.pinned_configs``; the bf16 convergence test of the
-   transformers patch; pytest-xdist workers compile in parallel where installed), then
-   ``bench.gpu_check``'s comparison with float64 (bf16 and fp16, content and two-stream, mlen 384,
-   qlen 512 and 4096, D 128, the deterministic backward; then the two-stream case at each
-   autotuner config in turn), errors recorded against the suite's tolerance;
-c. ``sweep``: the providers of ``bench.attention`` side by side on the same tensors per shape,
-   forward and forward+backward, D=64 first; CUDA-event medians, TFLOP/s (4·B·H·M·K·D, x2.5 for
-   fwd+bwd), peak memory, OOM recorded as OOM; the providers' forward outputs compared once per D;
-d. ``pretrain``: the XLNet two-stream pretraining step (seq 512, mem 384, 85 targets, bf16 autocast),
-   tokens/s and peak memory, xlnet_fast against transformers, base then large;
-e. the autotuner's winning config (and every config's time) per tuned shape, recorded as steps b–d
-   tune;
-f. ``plots``: ``attention.png`` (c) and ``pretrain.png`` (d);
-g. ``memory``: Transformer-XL evaluation with memory against a recomputed sliding context of the
-   same attention length (``bench.memory_reuse``, 128…3,800), and generation with memory against
-   recomputing the context (``bench.generation``, Transformer-XL and XLNet), tokens/s and ratios.
+Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``):
 
-Each step runs in its own process, gets a share of ``--budget-min`` (what an earlier step left is
-shared among the later ones), stops starting new items when its share is used up (a ``cut`` record
-names what did not run) and is killed if it is still running a little after that; a crash, a lost
-CUDA context or an exception is recorded (traceback in the log) and the next step runs. Everything
-goes under DIR, in at most ``MAX_FILES`` files: ``campaign.jsonl`` (one record per line: ``run``,
-``step``, ``op``, ``status`` — ok, error, skipped, cut or oom — ``t`` in seconds, then the op's
+- ``env``: device, SM count, versions; the bf16 matmul (TFLOP/s) and device-to-device copy (GB/s)
+  ceilings measured on random data;
+- ``correctness``: the suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (the kernels
+  pinned to ``PYTEST_CONFIG``, pytest-xdist workers where installed), then ``bench.gpu_check``'s
+  comparison with float64 (``gpu_check.CASES`` and ``LONG_CASES``), then one case at each autotuner
+  config in turn;
+- ``sweep``: the providers of ``bench.attention`` on the same tensors per shape, forward and
+  forward+backward, D=64 first; the providers' forward outputs compared once per D, and the first
+  xlnet_fast forward+backward timed twice (the spread);
+- ``pretrain``: ``bench.pretrain_step``, xlnet_fast against transformers, base then large;
+- ``memory``: ``bench.memory_reuse`` (Transformer-XL evaluation with memory against a recomputed
+  sliding context, 128…3,800) and ``bench.generation`` (Transformer-XL and XLNet, with memory
+  against recomputing the context);
+- ``plots``: ``attention.png`` and ``pretrain.png`` (``bench.plot``).
+
+Every step but ``plots`` records the autotuner's winning config (and every config's time) for each
+shape it tuned. Each step runs in its own process, gets a share of ``--budget-min`` (what an earlier
+step left is shared among the later ones), starts no item once its share is used up (a ``cut``
+record names what did not run) and is killed if it still runs a little after that; a crash, a lost
+CUDA context or an exception is recorded (traceback in the log) and the next step runs. DIR, which
+must not hold a campaign's files already, gets ``campaign.jsonl`` (one record per line: ``run``,
+``step``, ``op``, ``status`` — ok, error, skipped, cut or oom —, ``t`` in seconds, then the op's
 fields), ``campaign.log`` (progress, tracebacks, the test output), ``summary.md`` (the table printed
-last) and the two plots. DIR must not already hold a campaign's files.
+last) and the two plots.
 
 ``--quick``: the smallest shapes, a couple of minutes on a GPU (a smoke test on arrival). Without
 CUDA the campaign refuses unless ``--cpu-dry-run``: tiny shapes on CPU, the Triton kernels in
-Triton's interpreter, the eager providers, and what needs CUDA recorded as ``skipped: needs CUDA``.
-``--report`` prints the summary and the README's tables from records (several files: e.g. the
-two parts of a session), and with ``--out DIR`` writes ``summary.md`` and the plots there.
+Triton's interpreter, and what needs CUDA recorded as skipped. ``--report`` prints the summary and
+the README's tables from records (several files: e.g. the two calls of a session), and with ``--out
+DIR`` writes ``summary.md`` and the plots there.
 """
 
 from __future__ import annotations
@@ -50,62 +47,510 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench import campaign_report, runner
-from bench.attention import PROVIDERS
+import torch
+
+from bench import (attention, campaign_report, cases, generation, gpu_check, memory_reuse, plot, pretrain_step,
+                   runner, source_tree)
+from bench.compiler import pinned_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORDS_FILE = "campaign.jsonl"
-LOG_FILE = "campaign.log"
-SUMMARY_FILE = "summary.md"
-ATTENTION_PLOT = "attention.png"
-PRETRAIN_PLOT = "pretrain.png"
+RECORDS_FILE, LOG_FILE, SUMMARY_FILE = "campaign.jsonl", "campaign.log", "summary.md"
+ATTENTION_PLOT, PRETRAIN_PLOT = "attention.png", "pretrain.png"
 OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, PRETRAIN_PLOT)
-MAX_FILES = 8  # what the GPU machine sends back
 STEPS = ("env", "correctness", "sweep", "pretrain", "memory", "plots")
 # Shares of the budget; "plots" runs at the end in the time kept back (RESERVE_*).
 WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "pretrain": 0.18, "memory": 0.12}
 RESERVE_FRACTION, RESERVE_MAX_S = 0.04, 20.0
-# A step whose share is below this is not started (a cut record says so).
-MIN_STEP_S = 2.0
-# A step still running this long after its deadline is killed: max(GRACE_MIN_S, GRACE_FRACTION x share).
+MIN_STEP_S = 2.0  # a step whose share is below this is not started (a cut record says so)
+# A step still running this long after its share is killed: max(GRACE_MIN_S, GRACE_FRACTION x share).
 GRACE_MIN_S, GRACE_FRACTION, GRACE_MAX_S = 5.0, 0.1, 30.0
-INJECTABLE = "a step name (it raises), crash:STEP (its process dies), or OP:PROVIDER / OP (that item raises)"
+MIN_ITEM_S = 1.0  # an item starts only with at least this many seconds of its step left
+# A step's process talks to the campaign in lines on stdout: a record (JSON), a line for the log only,
+# a process group it started (the test suite's: killed with the step). Other lines: log and console.
+RECORD_PREFIX, LOG_PREFIX, GROUP_PREFIX = "@record ", "@log ", "@group "
+NEEDS_CUDA = "needs CUDA"
+
+# The test files that run the compiled kernels on a GPU, and the bf16 tests of the transformers patch
+# (skipped without a GPU).
+GPU_TESTS = ("tests/test_triton_kernels.py", "tests/test_fa2_reference.py",
+             "tests/test_hf_patch.py::test_convergence_bf16_on_gpu_is_close",
+             "tests/test_hf_patch.py::test_patched_with_triton_backend")
+# The suite runs on the GPU with the kernels pinned to this config (bench.compiler.pinned_configs):
+# one compile per kernel variant instead of tuning every config at every test shape. The smallest
+# tiles and the one config every head dim fits; the correctness step checks every config at a
+# realistic shape after the suite.
+PYTEST_CONFIG = "64x64w4s1"
+PYTEST_SHARE = 0.5  # of the correctness step's time, the suite's (the float64 checks get the rest)
+SWEEP_MODES = ("fwd", "fwd_bwd")
+# In the order they are measured at each shape: the headline comparison first, FlexAttention (the
+# slowest to compile: one graph per shape and mode) last, so a cut at the step's end costs it first.
+GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "hf", "xlnet_fast_det", "fa2_ref", "flex")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, help="folder for the campaign's files (required unless --report)")
-    p.add_argument("--budget-min", type=float, default=20.0, help="minutes for the whole campaign (default 20)")
-    p.add_argument("--quick", action="store_true", help="smallest shapes: a couple of minutes, a smoke test")
-    p.add_argument("--cpu-dry-run", action="store_true",
-                   help="run the orchestration on CPU with tiny shapes (interpreter and eager providers)")
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run, in order")
-    p.add_argument("--sweep-D", type=int, nargs="+", metavar="D",
-                   help="the sweep's head dims instead of the mode's (e.g. 128 for a follow-up call)")
-    p.add_argument("--sweep-providers", nargs="+", choices=PROVIDERS, metavar="P",
-                   help=f"the sweep's providers instead of the mode's, among {', '.join(PROVIDERS)}")
-    p.add_argument("--report", type=Path, nargs="+", metavar="RECORDS",
-                   help="print the summary and README tables of these campaign.jsonl files")
-    p.add_argument("--inject-failure", action="append", default=[], metavar="WHAT",
-                   help=f"test the failure handling: {INJECTABLE}")
-    p.add_argument("--child", choices=STEPS[:-1], help=argparse.SUPPRESS)  # run one step (internal)
-    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # the child's deadline, time.time()
-    return p
+# --------------------------------------------------------------------------------------------------
+# What runs in each mode
+# --------------------------------------------------------------------------------------------------
 
 
-def _mode(args) -> str:
-    return "dry" if args.cpu_dry_run else "quick" if args.quick else "full"
+def _check_case(**fields) -> cases.AttentionCase:
+    """A case of the correctness step: drawn in float64, cast to each checked dtype."""
+    return cases.AttentionCase(**fields, dtype=torch.float64)
 
 
-def _existing_outputs(out: Path) -> list:
-    return [name for name in OUTPUT_FILES if (out / name).exists()]
+@dataclass(frozen=True)
+class Plan:
+    """The shapes and selections of one mode; the defaults are the full GPU campaign's."""
+
+    mode: str = "full"
+    matmul_n: int = 8192  # the bf16 matmul ceiling: an n x n x n product
+    copy_mib: int = 2048  # the device-to-device copy ceiling: this many MiB copied
+    pytest_targets: tuple = GPU_TESTS
+    pytest_k: str | None = None
+    pytest_workers: int = 8  # pytest-xdist workers compiling the kernels in parallel (16 cores)
+    checks: tuple = tuple(gpu_check.CASES + gpu_check.LONG_CASES)  # (name, case, dtypes, deterministic)
+    config_check: tuple = gpu_check.CASES[1][:2]  # (name, case): checked in bf16 at each autotuner config
+    sweep_D: tuple = (64, 128)
+    sweep_points: tuple = ((512, 384), (2048, 384), (4096, 384), (16384, 384))  # (qlen, mlen), in order
+    sweep_H: int = 16
+    sweep_tokens: int = 16384  # B = max(1, sweep_tokens // qlen)
+    sweep_dtype: str = "bf16"
+    providers: tuple = GPU_PROVIDERS
+    models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),
+                     ("large", cases.ModelCase("large", B=8, seq=512, mlen=384, predict=85)))
+    model_repeats: int = 10
+    cpu_repeats: int = 1
+    # memory: Transformer-XL evaluation with memory at these attention lengths, generation at these
+    # total lengths; the size is a TRANSFO_XL_SIZES name (and the XLNet of that width)
+    memory_size: str = "wt103_base"
+    memory_dtype: str = "bf16"
+    memory_lengths: tuple = (128, 256, 512, 1024, 2048, 3800)
+    memory_tgt_len: int = 128
+    generation_lengths: tuple = (512, 1024, 2048, 3800)
+    generation_new_tokens: int = 64
+
+    def sweep_cases(self) -> list:
+        """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
+        dtype = cases.DTYPES[self.sweep_dtype]
+        return [cases.AttentionCase(max(1, self.sweep_tokens // qlen), self.sweep_H, qlen, mlen, D, dtype)
+                for D in self.sweep_D for qlen, mlen in self.sweep_points]
+
+
+_QUICK_CHECK = ("two_stream_85_targets_B2",
+                _check_case(B=2, H=16, qlen=512, mlen=384, D=64, targets=85, two_stream=True))
+_DRY_CHECK = ("two_stream_tiny", _check_case(B=1, H=2, qlen=24, mlen=8, D=16, targets=5, two_stream=True))
+PLANS = {
+    "full": Plan(),
+    "quick": Plan(
+        "quick", matmul_n=4096, copy_mib=256,
+        pytest_targets=(GPU_TESTS[0], GPU_TESTS[2]),
+        pytest_k="forward_backward_match_eager_and_reference or convergence_bf16",
+        checks=((*_QUICK_CHECK, gpu_check.CHECKED_DTYPES, False),), config_check=_QUICK_CHECK,
+        sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096,
+        models=(("base_2_layers", cases.ModelCase("base", B=2, seq=512, mlen=384, predict=85, n_layer=2)),),
+        model_repeats=3, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
+    "dry": Plan(
+        "dry", matmul_n=0, copy_mib=0, pytest_targets=("tests/test_triton_kernels.py",),
+        pytest_k="head_dims_past_the_kernels_limit", pytest_workers=1,  # one fast test
+        checks=((*_DRY_CHECK, (torch.bfloat16,), True),), config_check=_DRY_CHECK,
+        sweep_D=(16,), sweep_points=((16, 8),), sweep_H=2, sweep_tokens=16, sweep_dtype="fp32",
+        providers=("xlnet_fast", "sdpa_flash", "hf", "eager", "xlnet_fast_det", "fa2_ref", "flex"),
+        models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
+        model_repeats=1, memory_size="tiny", memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8,
+        generation_lengths=(24,), generation_new_tokens=4),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# A step's process: what it reports
+# --------------------------------------------------------------------------------------------------
+
+
+class Reporter:
+    """What a step writes (protocol lines on stdout, read by the campaign) and its deadline
+    (``time.time()`` by which the step should be done)."""
+
+    def __init__(self, deadline: float, device: str, env: dict | None = None):
+        self.deadline, self.device, self.env = deadline, device, env or {}
+        self.cuda_lost: str | None = None
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def line(self, text: str) -> None:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    def log(self, text: str, console: bool = True) -> None:
+        for line in str(text).splitlines() or [""]:
+            self.line(line if console else LOG_PREFIX + line)
+
+    def emit(self, op: str, status: str = "ok", **fields) -> dict:
+        rec = {"op": op, "status": status, **self.env, **fields}
+        self.line(RECORD_PREFIX + json.dumps(rec, default=str))
+        return rec
+
+    def skipped(self, op: str, reason: str, **fields) -> dict:
+        self.log(f"skipped {op} {_describe(fields)}: {reason}")
+        return self.emit(op, "skipped", reason=reason, **fields)
+
+    def failed(self, op: str, exc: BaseException, **fields) -> dict:
+        self.log(f"ERROR in {op} {_describe(fields)}:")
+        self.log("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+        if self.device == "cuda" and self.cuda_lost is None:
+            self.cuda_lost = _cuda_failure()
+        return self.emit(op, "error", error=f"{type(exc).__name__}: {exc}"[:2000], **fields)
+
+    def each(self, items: list, label, op: str):
+        """Yield ``items`` while the step has at least ``MIN_ITEM_S`` left and CUDA works; then one
+        ``cut`` (or ``skipped``) record naming the items not run."""
+        for n, item in enumerate(items):
+            not_run = [label(x) for x in items[n:]]
+            if self.cuda_lost is not None:
+                self.skipped(op, f"CUDA context lost earlier: {self.cuda_lost}", not_run=not_run)
+                return
+            if self.left() < MIN_ITEM_S:
+                self.log(f"cut: {op}: the step's time is up; not run: {', '.join(not_run)}")
+                self.emit(op, "cut", reason="the step's share of the budget was used up", not_run=not_run)
+                return
+            yield item
+
+    def attempt(self, op: str, fn, **fields) -> list:
+        """``fn()`` -> a record's fields (or a list of them; ``status`` among them if not ok), emitted
+        with ``fields``; out of memory is an ``oom`` record, an exception an ``error`` record."""
+        try:
+            out = fn()
+        except torch.OutOfMemoryError as exc:
+            self.log(f"out of memory in {op} {_describe(fields)}: {str(exc).splitlines()[0]}")
+            _free(self.device)
+            return [self.emit(op, "oom", **fields)]
+        except Exception as exc:  # noqa: BLE001 - recorded, the campaign goes on
+            return [self.failed(op, exc, **fields)]
+        recs = []
+        for result in out if isinstance(out, list) else [out]:
+            result = {k: v for k, v in {**fields, **result}.items() if k != "op"}
+            recs.append(self.emit(op, result.pop("status", "ok"), **result))
+        return recs
+
+
+def _describe(fields: dict) -> str:
+    keys = ("case", "provider", "mode", "D", "L", "mlen", "config", "dtype")
+    return " ".join(f"{k}={fields[k]}" for k in keys if fields.get(k) is not None)
+
+
+def _cuda_failure() -> str | None:
+    """None if the CUDA context still works after an error, else what synchronising raised."""
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # noqa: BLE001 - a sticky CUDA error: the process must end
+        return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _free(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+
+
+class _Tuning:
+    """Emits an ``autotune`` record for each shape the kernels' autotuners tuned (``TuningLog``)."""
+
+    def __init__(self, r: Reporter):
+        self.r, self.log = r, None if _interpreting() else pinned_configs.TuningLog()
+
+    def look(self, context: str) -> None:
+        for rec in self.log.new(context) if self.log else []:
+            self.r.emit("autotune", **rec)
+
+    def flush(self, context: str) -> None:
+        if self.log is None:
+            self.r.skipped("autotune", "the interpreter runs fixed tiles: nothing is tuned", context=context)
+        self.look(context)
+
+
+# --------------------------------------------------------------------------------------------------
+# The steps
+# --------------------------------------------------------------------------------------------------
+
+
+def step_env(r: Reporter, plan: Plan) -> None:
+    """The device (the versions are in every record: ``runner.environment()``), and the two ceilings."""
+    note = source_tree.ensure_kernels_importable()
+
+    def environment():
+        out = {"mode": plan.mode, "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+               "kernels_import": note or "xlnet_fast.kernels importable", "cpu_count": os.cpu_count()}
+        if r.device == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            out.update(device=props.name, sm_count=props.multi_processor_count, capability=f"{props.major}."
+                       f"{props.minor}", memory_gib=round(props.total_memory / 2**30, 1))
+        return out
+
+    r.attempt("environment", environment)
+    for op, fn in (("ceiling_matmul", lambda: matmul_ceiling(plan.matmul_n)),
+                   ("ceiling_copy", lambda: copy_ceiling(plan.copy_mib))):
+        if r.device != "cuda":
+            r.skipped(op, NEEDS_CUDA)
+            continue
+        for _ in r.each([op], str, op):
+            r.attempt(op, fn)
+
+
+def matmul_ceiling(n: int) -> dict:
+    """bf16 ``n x n @ n x n`` on random data: CUDA-event median and TFLOP/s."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(n, n, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    ms = runner.median_ms(lambda: a @ b, "cuda")
+    return {"n": n, "dtype": "bf16", "ms": ms, "tflops": 2 * n**3 / (ms * 1e-3) / 1e12}
+
+
+def copy_ceiling(mib: int) -> dict:
+    """Device-to-device copy of ``mib`` MiB of random data: GB/s counting bytes read and written."""
+    src = torch.randn(mib * 2**20 // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = runner.median_ms(lambda: dst.copy_(src), "cuda")
+    return {"mib": mib, "ms": ms, "gb_per_s": 2 * src.numel() * 4 / (ms * 1e-3) / 1e9,
+            "counting": "bytes read + bytes written"}
+
+
+_CLOSING_LINE = re.compile(r"^=+ (.+?) in [\d.]+s")
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+_OUTCOME = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors", "XFAIL": "xfailed",
+            "XPASS": "xpassed"}
+
+
+def parse_pytest(lines: list) -> dict:
+    """Counts (``passed``, ``failed``, ``skipped``, ``errors``...) from pytest's closing line, or
+    counted from the ``-v`` lines when it has none (stopped early), and the failed tests' ids."""
+    counts, closing = {}, None
+    for line in lines:
+        m = _CLOSING_LINE.match(line.strip())
+        closing = m.group(1) if m else closing
+    for n, what in _COUNT.findall(closing or ""):
+        what = {"error": "errors", "warning": "warnings"}.get(what, what)
+        counts[what] = counts.get(what, 0) + int(n)
+    if closing is None:
+        for line in lines:
+            m = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line) if "::" in line else None
+            if m:
+                counts[_OUTCOME[m.group(1)]] = counts.get(_OUTCOME[m.group(1)], 0) + 1
+    failed = sorted({line.split()[1] for line in lines if re.match(r"^(FAILED|ERROR) \S+::", line)})
+    return {"counts": counts, "closing_line": closing, "failed_tests": failed}
+
+
+def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
+    """The suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (on a GPU the compiled
+    kernels, pinned to ``PYTEST_CONFIG``; on CPU, where tests/conftest.py turns the interpreter on, a
+    quick selection), stopped after ``timeout_s``; its output goes to the log only."""
+    import importlib.util
+
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-p", "bench.source_tree",
+           "-p", "bench.compiler.pinned_configs", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]
+    if plan.pytest_workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(plan.pytest_workers)]
+    cmd += (["-k", plan.pytest_k] if plan.pytest_k else []) + [str(ROOT / t) for t in plan.pytest_targets]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", pinned_configs.ENV)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    pinned = PYTEST_CONFIG if r.device == "cuda" else None
+    if pinned:
+        env[pinned_configs.ENV] = pinned
+    r.log(f"pytest (up to {timeout_s:.0f} s): {' '.join(cmd[cmd.index('--rootdir') + 2:])}")
+    lines: list = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="campaign_pytest_") as cwd:  # .hypothesis and the like land here
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        r.line(f"{GROUP_PREFIX}{proc.pid}")
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                r.log(lines[-1], console=False)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            returncode, stopped = proc.wait(timeout=max(timeout_s, 0.1)), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started: pytest and its workers
+            returncode, stopped = proc.wait(), True
+        reader.join(timeout=10)
+    result = parse_pytest(lines)
+    result.update(returncode=returncode, seconds=round(time.time() - t0, 1), targets=list(plan.pytest_targets),
+                  k=plan.pytest_k, command=" ".join(cmd[1:]), pinned_config=pinned)
+    if stopped:
+        result.update(status="cut", reason=f"stopped after {timeout_s:.0f} s (its share of the budget)")
+    elif returncode not in (0, 5) or result["counts"].get("failed") or result["counts"].get("errors"):
+        result.update(status="error", error=f"pytest exit status {returncode}: {result['closing_line']}")
+    r.log(f"pytest: {result['closing_line'] or result['counts']} (exit status {returncode}"
+          f"{', stopped' if stopped else ''})")
+    return result
+
+
+def _check(name: str, case, dtypes, deterministic: bool, device: str, **extra) -> list:
+    """``bench.gpu_check``'s records of ``case``, errors where outside the suite's tolerance."""
+    return [{**rec, **extra, **({} if rec["within_tolerance"] else
+                                {"status": "error", "error": "outside the suite's tolerance"})}
+            for rec in gpu_check.check_case(name, case, device, dtypes, deterministic)]
+
+
+def step_correctness(r: Reporter, plan: Plan) -> None:
+    """The suite's GPU tests, ``bench.gpu_check``'s float64 comparison, then one case at each config."""
+    for _ in r.each(["pytest"], str, "pytest"):
+        r.attempt("pytest", lambda: run_pytest(r, plan, r.left() * PYTEST_SHARE))
+    tuning = _Tuning(r)
+    label = lambda c: f"{c[0]}{' deterministic' if c[3] else ''}"  # noqa: E731
+    for name, case, dtypes, det in r.each(list(plan.checks), label, "xlnet_attn_check"):
+        r.attempt("xlnet_attn_check", lambda: _check(name, case, dtypes, det, r.device), case=name, deterministic=det)
+        _free(r.device)
+    tuning.flush("correctness")
+    name, case = plan.config_check
+    if _interpreting():
+        r.skipped("xlnet_attn_check", "the interpreter runs fixed tiles: no config to pin", case=name, config="each")
+        return
+    for config in r.each(pinned_configs.all_config_names(), str, "xlnet_attn_check"):
+        with pinned_configs.pinned([config]):
+            r.attempt("xlnet_attn_check", lambda: _check(name, case, [torch.bfloat16], False, r.device, config=config),
+                      case=name, config=config)
+        _free(r.device)
+
+
+def sweep_items(plan: Plan) -> list:
+    """``(kind, case, mode, provider)`` in order: per D, an agreement check at its first point, the
+    measurements, and a repeat of the first ``xlnet_fast`` forward+backward (the spread)."""
+    items = []
+    for D in plan.sweep_D:
+        d_cases = [c for c in plan.sweep_cases() if c.D == D]
+        items.append(("agree", d_cases[0], "fwd", None))
+        items += [("time", c, m, p) for c in d_cases for m in SWEEP_MODES for p in plan.providers
+                  if attention.runs_in_mode(p, m)]
+        if "xlnet_fast" in plan.providers:
+            items.append(("repeat", d_cases[0], "fwd_bwd", "xlnet_fast"))
+    return items
+
+
+def step_sweep(r: Reporter, plan: Plan) -> None:
+    """``bench.attention``'s providers on the same tensors per shape, forward and forward+backward."""
+    tuning, drawn, inputs = _Tuning(r), None, None
+    label = lambda x: f"{x[0]} D={x[1].D} L={x[1].qlen} mlen={x[1].mlen} {x[2]} {x[3] or ''}".rstrip()  # noqa: E731
+    for kind, case, mode, prov in r.each(sweep_items(plan), label, "xlnet_attn"):
+        if drawn != case:
+            inputs = None
+            _free(r.device)
+            inputs, drawn = cases.attention_inputs(case, r.device), case
+        fields = {"dtype": plan.sweep_dtype, "B": case.B, "H": case.H, "L": case.qlen, "mlen": case.mlen, "D": case.D,
+                  "mode": mode}
+        if kind == "agree":
+            provs = [p for p in plan.providers if p in attention.XLNET_PROVIDERS and p not in ("xlnet_fast_det", "eager")
+                     and attention.unavailable(p, "fwd", r.device) is None]
+            r.attempt("provider_agreement", lambda: attention.agreement(inputs, provs), **fields)
+            continue
+        why = attention.unavailable(prov, mode, r.device)
+        if why:
+            r.skipped("xlnet_attn", why, provider=prov, **fields)
+            continue
+        r.attempt("xlnet_attn", lambda: attention.measure(inputs, case, plan.sweep_dtype, mode, prov, r.device,
+                                                          plan.cpu_repeats),
+                  provider=prov, **fields, **({"repeat": True} if kind == "repeat" else {}))
+        if prov.startswith("xlnet_fast"):
+            tuning.look(f"{prov} {mode} D={case.D} L={case.qlen} mlen={case.mlen} B={case.B}")
+    tuning.flush("sweep")
+
+
+def step_pretrain(r: Reporter, plan: Plan) -> None:
+    """``bench.pretrain_step`` (forward, backward, AdamW; bf16 autocast on CUDA), xlnet_fast against
+    transformers on the same weights and batch, per model size."""
+    tuning, built = _Tuning(r), {}
+    items = [(label, model, prov) for label, model in plan.models for prov in ("xlnet_fast", "hf")]
+    for label, model, prov in r.each(items, lambda x: f"{x[0]} {x[2]}", "pretrain_step"):
+        fields = {"case": label, "provider": prov}
+        if built.get("label") != label:
+            built.clear()
+            _free(r.device)
+
+            def build():
+                built["hf"], built["batch"] = pretrain_step.hf_model_and_batch(model, r.device)
+                return {"parameters": sum(p.numel() for p in built["hf"].parameters())}
+
+            [rec] = r.attempt("pretrain_model", build, **fields)
+            built.update(label=label, failed=None if rec["status"] == "ok" else rec["status"])
+        if built["failed"]:
+            r.skipped("pretrain_step", f"the model and batch could not be built ({built['failed']})", **fields)
+            continue
+        r.attempt("pretrain_step", lambda: pretrain_step.measure_provider(prov, model, built["hf"], built["batch"],
+                                                                          r.device, plan.model_repeats), **fields)
+        tuning.look(f"pretrain {label} {prov}")
+    tuning.flush("pretrain")
+
+
+def step_memory(r: Reporter, plan: Plan) -> None:
+    """``bench.memory_reuse`` (tokens/s of Transformer-XL's evaluation with memory and of a recomputed
+    sliding context per attention length) and ``bench.generation`` (Transformer-XL and XLNet: tokens/s
+    of generation with memory and of recomputing the context)."""
+    dtype, models = generation.DTYPES[plan.memory_dtype], {}
+
+    def model(kind: str):
+        if kind not in models:
+            models.clear()
+            _free(r.device)
+            models[kind] = generation.build_model(kind, plan.memory_size, r.device, dtype, mem_len=0)
+        return models[kind]
+
+    for A in r.each(list(plan.memory_lengths), lambda a: f"attention length {a}", "memory_reuse"):
+        r.attempt("memory_reuse", lambda: memory_reuse.measure_length(model("transfo-xl"), plan.memory_size, A,
+                                                                      plan.memory_tgt_len, r.device, plan.cpu_repeats),
+                  L=A)
+    items = [(kind, L) for kind in generation.MODELS for L in plan.generation_lengths]
+    for kind, L in r.each(items, lambda x: f"{x[0]} length {x[1]}", "generation"):
+        def measure():
+            m = model(kind)
+            m.config.mem_len = L  # the memory holds the whole context
+            return generation.measure_length(m, kind, plan.memory_size, L, plan.generation_new_tokens, r.device)
+
+        r.attempt("generation", measure, case=kind, L=L)
+    _free(r.device)
+
+
+STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep, "pretrain": step_pretrain,
+                  "memory": step_memory}
+
+
+def child_main(args) -> int:
+    """Run one step in this process, reporting on stdout."""
+    source_tree.ensure_kernels_importable()
+    mode = _mode(args)
+    device = "cuda" if mode != "dry" and torch.cuda.is_available() else "cpu"
+    r = Reporter(args.deadline, device, {**runner.environment(), **({"device": "cpu"} if device == "cpu" else {})})
+    plan = PLANS[mode]
+    if args.sweep_D:
+        plan = dataclasses.replace(plan, sweep_D=tuple(args.sweep_D))
+    try:
+        STEP_FUNCTIONS[args.child](r, plan)
+    except Exception as exc:  # noqa: BLE001 - recorded; the campaign goes on with the next step
+        r.failed(args.child, exc)
+        return 1
+    return 3 if r.cuda_lost else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The campaign: shares, the steps' processes, records, log, summary
+# --------------------------------------------------------------------------------------------------
 
 
 def _kill_group(pgid: int) -> None:
@@ -116,24 +561,11 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-# --------------------------------------------------------------------------------------------------
-# The parent: shares, child processes, records, log, summary
-# --------------------------------------------------------------------------------------------------
-
-
 class Campaign:
-    """Runs the steps as child processes and owns the output files (the only writer)."""
+    """Runs the steps as child processes and owns the output files (their only writer)."""
 
-    def __init__(self, out: Path, budget_s: float, mode: str, steps: list, failures: list,
-                 sweep_D: list | None = None, sweep_providers: list | None = None):
-        self.out, self.mode, self.steps, self.failures = out, mode, steps, failures
-        self.sweep_D, self.sweep_providers = sweep_D, sweep_providers
+    def __init__(self, out: Path, budget_s: float, mode: str, steps: list, child_args: list = ()):
+        self.out, self.mode, self.steps, self.child_args = out, mode, steps, list(child_args)
         self.t0 = time.time()
         self.end = self.t0 + budget_s
         self.reserve = min(RESERVE_MAX_S, RESERVE_FRACTION * budget_s)
@@ -184,30 +616,11 @@ class Campaign:
             self.finish()
         return 1 if any(r.get("status") == "error" for r in self.records) else 0
 
-    # -- one step in a child process --------------------------------------------------------------
-
-    def _child_command(self, step: str, deadline: float) -> list:
-        cmd = [sys.executable, "-m", "bench.campaign", "--child", step, "--deadline", f"{deadline:.3f}"]
-        cmd += {"dry": ["--cpu-dry-run"], "quick": ["--quick"], "full": []}[self.mode]
-        for what in self.failures:
-            cmd += ["--inject-failure", what]
-        for flag, values in (("--sweep-D", self.sweep_D), ("--sweep-providers", self.sweep_providers)):
-            if values:
-                cmd += [flag, *map(str, values)]
-        return cmd
-
-    def _child_env(self) -> dict:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        if self.mode == "dry":
-            env["TRITON_INTERPRET"] = "1"  # the kernels in Triton's interpreter on CPU
-        else:
-            env.pop("TRITON_INTERPRET", None)  # the compiled kernels
-        return env
+    def child_command(self, step: str, deadline: float) -> list:
+        return [sys.executable, "-m", "bench.campaign", "--child", step, "--deadline", f"{deadline:.3f}",
+                *self.child_args]
 
     def _read_child(self, step: str, stream, counts: dict) -> None:
-        from bench.campaign_steps import GROUP_PREFIX, LOG_PREFIX, RECORD_PREFIX
-
         for raw in stream:
             line = raw.rstrip("\n")
             if line.startswith(GROUP_PREFIX):
@@ -225,6 +638,8 @@ class Campaign:
                 self.log(f"{step}: {line}")
 
     def run_step(self, step: str, share: float) -> None:
+        """``step`` in a child process for ``share`` seconds (killed a grace period after), its records
+        and a ``step`` record."""
         t_start, counts = time.time(), {}
         if share < MIN_STEP_S:
             self.log(f"cut: step {step} not started: {share:.1f} s of the budget left for it")
@@ -233,7 +648,13 @@ class Campaign:
             return
         grace = min(GRACE_MAX_S, max(GRACE_MIN_S, GRACE_FRACTION * share))
         self.log(f"step {step}: {share:.0f} s (killed {grace:.0f} s after that if still running)")
-        self.child = subprocess.Popen(self._child_command(step, t_start + share), cwd=ROOT, env=self._child_env(),
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        if self.mode == "dry":
+            env["TRITON_INTERPRET"] = "1"  # the kernels in Triton's interpreter on CPU
+        else:
+            env.pop("TRITON_INTERPRET", None)  # the compiled kernels
+        self.child = subprocess.Popen(self.child_command(step, t_start + share), cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True)
         reader = threading.Thread(target=self._read_child, args=(step, self.child.stdout, counts), daemon=True)
@@ -248,9 +669,7 @@ class Campaign:
             self._stop_groups()  # what a killed or crashed step left running
         reader.join(timeout=10)
         self.child, self.child_groups = None, set()
-        self._step_record(step, share, time.time() - t_start, returncode, killed, counts)
-
-    def _step_record(self, step, share, seconds, returncode, killed, counts) -> None:
+        seconds = time.time() - t_start
         notes = [f"{n} {s}" for s, n in sorted(counts.items())]
         if killed:
             self.add(step, {"op": "step_killed", "status": "cut", "reason": f"still running {seconds - share:.0f} s "
@@ -260,8 +679,8 @@ class Campaign:
             self.add(step, {"op": "step_process", "status": "error",
                             "error": f"the step's process exited with status {returncode} (its output is in the log)"})
             notes.append(f"process exit status {returncode}")
-        errors = counts.get("error", 0) or (returncode != 0 and not killed)
-        status = "error" if errors else "cut" if killed or counts.get("cut") else "ok"
+        status = ("error" if counts.get("error") or (returncode != 0 and not killed) else
+                  "cut" if killed or counts.get("cut") else "ok")
         why = {"error": {"error": ", ".join(notes)}, "cut": {"reason": ", ".join(notes)}}.get(status, {})
         self.add(step, {"op": "step", "status": status, "seconds": round(seconds, 1), "share_s": round(share, 1),
                         "records": sum(counts.values()), "note": ", ".join(notes), **why})
@@ -276,32 +695,17 @@ class Campaign:
         for pgid in self.child_groups:
             _kill_group(pgid)
 
-    # -- the end -----------------------------------------------------------------------------------
-
-    def _plots(self) -> None:
-        t = time.time()
-        plots = ((ATTENTION_PLOT, campaign_report.plot_attention), (PRETRAIN_PLOT, campaign_report.plot_pretrain))
-        for name, fn in plots:
-            try:
-                if fn(self.records, self.out / name):
-                    self.add("plots", {"op": "plot", "status": "ok", "file": name})
-                else:
-                    self.add("plots", {"op": "plot", "status": "skipped", "file": name, "reason": "no records to plot"})
-            except Exception as exc:  # noqa: BLE001 - recorded; the summary is still written
-                import traceback
-
-                self.log("ERROR in plots:\n" + traceback.format_exc().rstrip())
-                self.add("plots", {"op": "plot", "status": "error", "file": name,
-                                   "error": f"{type(exc).__name__}: {exc}"})
-        self.add("plots", {"op": "step", "status": "ok", "seconds": round(time.time() - t, 1), "share_s": None,
-                           "records": 2, "note": ""})
-
     def finish(self) -> None:
+        """The plots (when ``plots`` is a step), the summary written and printed last."""
         if "plots" in self.steps:
-            self._plots()
+            t = time.time()
+            for name, written in _plots(self.records, self.out, self.log):
+                self.add("plots", {"op": "plot", "file": name, **written})
+            self.add("plots", {"op": "step", "status": "ok", "seconds": round(time.time() - t, 1), "share_s": None,
+                               "records": 2, "note": ""})
         used = time.time() - self.t0
         title = f"GPU campaign {self.run_id} ({self.mode}; {used / 60:.1f} of {(self.end - self.t0) / 60:.1f} min)"
-        _atomic_text(self.out / SUMMARY_FILE, campaign_report.summary_markdown(self.records, title=title))
+        runner.write_text(self.out / SUMMARY_FILE, campaign_report.summary_markdown(self.records, title=title))
         files = sorted(p.name for p in self.out.iterdir())
         self.log(f"wrote {len(files)} files to {self.out}: {', '.join(files)}")
         self._log.close()
@@ -309,43 +713,48 @@ class Campaign:
         print(campaign_report.summary_markdown(self.records, title=title, compact=True), flush=True)
 
 
-# --------------------------------------------------------------------------------------------------
-# A child: one step
-# --------------------------------------------------------------------------------------------------
-
-
-def child_main(args) -> int:
-    """Run one step, reporting on stdout (``bench.campaign_steps.Reporter``)."""
-    import bench.source_tree
-
-    bench.source_tree.ensure_kernels_importable()
-    import torch
-
-    from bench import campaign_steps
-
-    mode = _mode(args)
-    device = "cuda" if mode != "dry" and torch.cuda.is_available() else "cpu"
-    r = campaign_steps.Reporter(args.deadline, device, tuple(args.inject_failure))
-    r.env = {**runner.environment(), **({"device": "cpu"} if device == "cpu" else {})}
-    if f"crash:{args.child}" in args.inject_failure:
-        os._exit(70)  # a process that dies without a word, as on a fatal CUDA error
-    plan = campaign_steps.PLANS[mode]
-    if args.sweep_D:
-        plan = dataclasses.replace(plan, sweep_D=tuple(args.sweep_D))
-    if args.sweep_providers:
-        plan = dataclasses.replace(plan, providers=tuple(args.sweep_providers))
-    try:
-        r._inject(args.child, {})
-        campaign_steps.STEPS[args.child](r, plan)
-    except Exception as exc:  # noqa: BLE001 - recorded; the parent goes on with the next step
-        r.failed(args.child, exc)
-        return 1
-    return 3 if r.cuda_lost else 0
+def _plots(records: list, out: Path, log=None) -> list:
+    """``(file, status fields)`` of the campaign's two plots written under ``out``."""
+    done = []
+    for name, fn in ((ATTENTION_PLOT, plot.attention_panels), (PRETRAIN_PLOT, plot.pretrain_bars)):
+        try:
+            written = fn(records, out / name)
+            done.append((name, {"status": "ok"} if written else {"status": "skipped", "reason": "no records to plot"}))
+        except Exception as exc:  # noqa: BLE001 - recorded; the summary is still written
+            if log:
+                log("ERROR in plots:\n" + traceback.format_exc().rstrip())
+            done.append((name, {"status": "error", "error": f"{type(exc).__name__}: {exc}"}))
+    return done
 
 
 # --------------------------------------------------------------------------------------------------
 # Entry
 # --------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="folder for the campaign's files (required unless --report)")
+    p.add_argument("--budget-min", type=float, default=20.0, help="minutes for the whole campaign (default 20)")
+    p.add_argument("--quick", action="store_true", help="smallest shapes: a couple of minutes, a smoke test")
+    p.add_argument("--cpu-dry-run", action="store_true",
+                   help="run the orchestration on CPU with tiny shapes (interpreter and eager providers)")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="the steps to run, in order")
+    p.add_argument("--sweep-D", type=int, nargs="+", metavar="D",
+                   help="the sweep's head dims instead of the mode's (e.g. 128 for a follow-up call)")
+    p.add_argument("--report", type=Path, nargs="+", metavar="RECORDS",
+                   help="print the summary and README tables of these campaign.jsonl files")
+    p.add_argument("--child", choices=STEPS[:-1], help=argparse.SUPPRESS)  # run one step (internal)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # the child's deadline, time.time()
+    return p
+
+
+def _mode(args) -> str:
+    return "dry" if args.cpu_dry_run else "quick" if args.quick else "full"
+
+
+def _existing_outputs(out: Path) -> list:
+    return [name for name in OUTPUT_FILES if (out / name).exists()] if out.is_dir() else []
 
 
 def report_main(args) -> int:
@@ -357,14 +766,13 @@ def report_main(args) -> int:
     if args.out is not None:
         if args.out.exists() and not args.out.is_dir():
             return runner.refuse(f"bench.campaign --report: --out {args.out} is not a folder")
-        clash = _existing_outputs(args.out) if args.out.exists() else []
+        clash = _existing_outputs(args.out)
         if clash:
             return runner.refuse(f"bench.campaign --report: {args.out} already holds {', '.join(clash)}; "
                                  "choose another folder")
         args.out.mkdir(parents=True, exist_ok=True)
-        _atomic_text(args.out / SUMMARY_FILE, text)
-        campaign_report.plot_attention(records, args.out / ATTENTION_PLOT)
-        campaign_report.plot_pretrain(records, args.out / PRETRAIN_PLOT)
+        runner.write_text(args.out / SUMMARY_FILE, text)
+        _plots(records, args.out)
     print(text)
     print("## README tables\n")
     print(campaign_report.readme_tables(records))
@@ -382,7 +790,7 @@ def _usage_problem(args) -> str | None:
         return f"bench.campaign: --sweep-D takes head dims in 1..128 (the kernels' limit), got {args.sweep_D}"
     if args.out.exists() and not args.out.is_dir():
         return f"bench.campaign: --out {args.out} exists and is not a folder"
-    clash = _existing_outputs(args.out) if args.out.exists() else []
+    clash = _existing_outputs(args.out)
     if clash:
         return f"bench.campaign: {args.out} already holds {', '.join(clash)} of another run; choose another folder"
     return None
@@ -397,14 +805,14 @@ def main(argv=None) -> int:
     problem = _usage_problem(args)
     if problem:
         return runner.refuse(problem)
-    import torch
-
     if not args.cpu_dry_run and not torch.cuda.is_available():
         return runner.refuse("bench.campaign: no CUDA device here; --cpu-dry-run runs the campaign's orchestration "
                              "on CPU with tiny shapes")
-    steps = [s for s in STEPS if s in args.steps]
-    campaign = Campaign(args.out.resolve(), args.budget_min * 60, _mode(args), steps, args.inject_failure,
-                        args.sweep_D, args.sweep_providers)
+    mode = _mode(args)
+    child_args = {"dry": ["--cpu-dry-run"], "quick": ["--quick"], "full": []}[mode]
+    child_args += ["--sweep-D", *map(str, args.sweep_D)] if args.sweep_D else []
+    campaign = Campaign(args.out.resolve(), args.budget_min * 60, mode, [s for s in STEPS if s in args.steps],
+                        child_args)
     before = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return campaign.run()

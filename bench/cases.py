@@ -1,33 +1,39 @@
-"""The benchmarks' cases as named records, and the one builder of each kind of input.
+"""The benchmarks' cases as named records, the record of one op call, and the one builder of each
+kind of input.
 
-``AttentionCase`` + ``attention_inputs``: the arguments of one call of the attention op
-(``rel_attention``, or ``rel_attention_two_stream`` when the case has a query stream), used by
-``bench.attention``, ``bench.gpu_check`` and ``bench.compile_report``. ``ModelCase`` + ``token_ids`` /
-``pretraining_batch``: the inputs of a whole model, used by ``bench.pretrain_step`` and
-``bench.cpu_vs_hf``. Model widths come from ``xlnet_fast.config.MODEL_SIZES``.
+``AttentionCase`` + ``attention_inputs``: the arguments of one call of the attention op as an
+``OpCall`` (``rel_attention``, or ``rel_attention_two_stream`` when the case has a query stream),
+used by ``bench.attention``, ``bench.gpu_check`` and the compile report; the tests build their
+fuzzed ``OpCall``s on top of it (``tests/helpers/attention.py``). ``ModelCase`` + ``token_ids`` /
+``pretraining_batch``: the inputs of a whole model, used by ``bench.pretrain_step``,
+``bench.cpu_vs_hf`` and ``bench.checkpoint_stall``. Model widths come from
+``xlnet_fast.config.MODEL_SIZES``.
 
 Random draws, fixed by the case's ``seed``: the index data (factorisation order, then segment
 boundaries) from a CPU generator, then moved to the device; the float tensors from a generator on
-the device, in the order of ``FLOAT_ARGS``, drawn in float32 (float64 for a float64 case), scaled
+the device, in the order of ``GRAD_NAMES``, drawn in float32 (float64 for a float64 case), scaled
 (biases and segment embeddings by 0.1) and cast to the case's dtype. On the ``meta`` device the
 floats are empty tensors (shapes and dtypes only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from xlnet_fast.config import MODEL_SIZES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 RANKS = ("permutation", "pretraining")
-# The op's float arguments in the order they are drawn, with their scale; "q" is "q_h" then "q_g"
-# for a two-stream case, and the last two exist only with segments.
-FLOAT_ARGS = (("q", 1.0), ("k", 1.0), ("v", 1.0), ("k_r", 1.0), ("r_w_bias", 0.1), ("r_r_bias", 0.1),
-              ("r_s_bias", 0.1), ("seg_embed", 0.1))
+ARG_NAMES = ("q", "k", "v", "k_r", "r_w_bias", "r_r_bias")  # rel_attention's positional arguments
 SEGMENT_ARGS = ("r_s_bias", "seg_embed")
+# The op's differentiable arguments in the order they are drawn ("q_g" right after "q" for a
+# two-stream case; the segment ones only with segments), and the scale of the draws.
+GRAD_NAMES = ARG_NAMES + SEGMENT_ARGS
+SMALL_ARGS = ("r_w_bias", "r_r_bias") + SEGMENT_ARGS  # drawn x 0.1
 # XLNet's first 9 ids are special tokens; token ids are drawn above them.
 FIRST_ORDINARY_ID = 9
 SEP_ID, CLS_ID = 4, 3
@@ -94,37 +100,104 @@ class AttentionCase:
         return forward * (3 if mode == "fwd_bwd" else 1)
 
 
-@dataclass
-class AttentionInputs:
-    """The op's arguments for a case: ``floats`` (differentiable, by the op's argument names) and
-    ``index`` (ranks, segments, target positions)."""
+@dataclass(frozen=True, eq=False)
+class OpCall:
+    """The arguments of one call of the op: ``rel_attention``, or ``rel_attention_two_stream`` when
+    ``q_g`` is set (``q`` is then its ``q_h``); a keyword left at None is not passed.
 
-    case: AttentionCase
-    floats: dict
-    index: dict
+    Shapes: ``q (B, M, H, D)``; ``q_g (B, P, H, D)``; ``k, v (B, K, H, D)``, ``K = mlen + qlen``;
+    ``k_r (Br, R, H, D)``; biases ``(H, D)``; ``seg_embed (2, H, D)``; ``q_seg, q_rank, q_pos (B, M)``;
+    ``k_seg, k_rank (B, K)``; ``target_pos (B, P)``; ``attn_mask (B, M, K)``.
+    """
 
-    def call(self, floats: dict | None = None, backend: str = "auto", **kwargs):
-        """Run the op on ``floats`` (default: these); the output ``(B, qlen, H, D)``, or
-        ``(out_h, out_g)`` for a two-stream case."""
-        import xlnet_fast
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    k_r: Tensor
+    r_w_bias: Tensor
+    r_r_bias: Tensor
+    q_g: Tensor | None = None
+    r_s_bias: Tensor | None = None
+    seg_embed: Tensor | None = None
+    q_rank: Tensor | None = None
+    k_rank: Tensor | None = None
+    q_seg: Tensor | None = None
+    k_seg: Tensor | None = None
+    target_pos: Tensor | None = None
+    q_pos: Tensor | None = None
+    attn_mask: Tensor | None = None
+    qlen: int | None = None
+    self_visible: bool | None = None
 
-        op = xlnet_fast.rel_attention_two_stream if self.case.two_stream else xlnet_fast.rel_attention
-        return op(**(self.floats if floats is None else floats), **self.index, backend=backend, **kwargs)
+    @property
+    def two_stream(self) -> bool:
+        return self.q_g is not None
+
+    def args(self) -> list[Tensor]:
+        """The positional arguments: ``ARG_NAMES``, with ``q_g`` after ``q`` for two streams."""
+        names = ("q", "q_g") + ARG_NAMES[1:] if self.two_stream else ARG_NAMES
+        return [getattr(self, name) for name in names]
+
+    def kwargs(self) -> dict:
+        """The keyword arguments that are set (not None)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ARG_NAMES + ("q_g",) and getattr(self, f.name) is not None}
+
+    @property
+    def floats(self) -> dict:
+        """The differentiable arguments that are set, by the op's names (``q_h``, ``q_g`` for two
+        streams), in ``GRAD_NAMES`` order."""
+        names = ("q", "q_g") + GRAD_NAMES[1:]
+        return {("q_h" if n == "q" and self.two_stream else n): getattr(self, n) for n in names
+                if getattr(self, n) is not None}
+
+    @property
+    def index(self) -> dict:
+        """The index arguments that are set: ranks, segments, target positions, query positions, mask."""
+        names = ("q_rank", "k_rank", "q_seg", "k_seg", "target_pos", "q_pos", "attn_mask")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def with_floats(self, floats: dict) -> OpCall:
+        """The same call on other differentiable tensors (named as ``floats`` names them)."""
+        return self.replace(**{("q" if n == "q_h" else n): t for n, t in floats.items()})
+
+    def call(self, fn=None, **options):
+        """``fn(*args, **kwargs, **options)``; ``fn`` defaults to the op (``backend`` in ``options``).
+        The output ``(B, M, H, D)``, or ``(out_h, out_g)`` for two streams."""
+        if fn is None:
+            import xlnet_fast
+
+            fn = xlnet_fast.rel_attention_two_stream if self.two_stream else xlnet_fast.rel_attention
+        return fn(*self.args(), **self.kwargs(), **options)
+
+    def replace(self, **changes) -> OpCall:
+        return dataclasses.replace(self, **changes)
+
+    def to(self, device=None, dtype=None) -> OpCall:
+        """Floating-point tensors cast to ``dtype``, then every tensor moved to ``device``."""
+        def move(value):
+            if not torch.is_tensor(value):
+                return value
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            return value if device is None else value.to(device)
+
+        return self.replace(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
 
 def _floats(case: AttentionCase, device) -> dict:
-    names = [(n, s) for n, s in FLOAT_ARGS if case.segments or n not in SEGMENT_ARGS]
+    names = [n for n in GRAD_NAMES if case.segments or n not in SEGMENT_ARGS]
     if case.two_stream:
-        names = [("q_h", 1.0), ("q_g", 1.0)] + names[1:]
-    shapes = {"q": (case.B, case.qlen), "q_h": (case.B, case.qlen), "q_g": (case.B, case.targets),
-              "k": (case.B, case.klen), "v": (case.B, case.klen), "k_r": (1, case.rlen),
-              "r_w_bias": (), "r_r_bias": (), "r_s_bias": (), "seg_embed": (2,)}
+        names.insert(1, "q_g")
+    shapes = {"q": (case.B, case.qlen), "q_g": (case.B, case.targets), "k": (case.B, case.klen),
+              "v": (case.B, case.klen), "k_r": (1, case.rlen), "r_w_bias": (), "r_r_bias": (), "r_s_bias": (),
+              "seg_embed": (2,)}
     if torch.device(device).type == "meta":
-        return {n: torch.empty(*shapes[n], case.H, case.D, dtype=case.dtype, device="meta") for n, _ in names}
+        return {n: torch.empty(*shapes[n], case.H, case.D, dtype=case.dtype, device="meta") for n in names}
     draw_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
     g = torch.Generator(device=device).manual_seed(case.seed)
-    return {n: (torch.randn(*shapes[n], case.H, case.D, generator=g, device=device, dtype=draw_dtype) * s)
-            .to(case.dtype) for n, s in names}
+    return {n: (torch.randn(*shapes[n], case.H, case.D, generator=g, device=device, dtype=draw_dtype)
+                * (0.1 if n in SMALL_ARGS else 1.0)).to(case.dtype) for n in names}
 
 
 def _index(case: AttentionCase) -> dict:
@@ -150,10 +223,10 @@ def _index(case: AttentionCase) -> dict:
     return index
 
 
-def attention_inputs(case: AttentionCase, device="cpu") -> AttentionInputs:
-    """The op's inputs for ``case`` on ``device`` ("meta": empty floats, for compiling only)."""
+def attention_inputs(case: AttentionCase, device="cpu") -> OpCall:
+    """The op's call for ``case`` on ``device`` ("meta": empty floats, for compiling only)."""
     index = {name: t.to(device) for name, t in _index(case).items()}
-    return AttentionInputs(case, _floats(case, device), index)
+    return OpCall(**_floats(case, device), **index)
 
 
 def random_like(t: torch.Tensor, seed: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Checkpoint stall: how long the training loop waits for a checkpoint, synchronous against
 asynchronous (``--async-save``) saving, at the base preset on CPU ranks.
 
-    python -m bench.checkpoint_stall [--ranks 2] [--saves 2] [--steps-between 3] [--record]
+    python -m bench.checkpoint_stall [--ranks 2] [--saves 2] [--steps-between 3] [--out FILE | --record]
 
 Spawns ``--ranks`` gloo processes on the CPU, each holding its FSDP2 shard of the base model (vocab
 32000), AdamW state and the mems of 16 rows per rank (``mem_len`` 384, as the preset trains; random
@@ -9,8 +9,8 @@ values, the content does not matter to the write), and saves through the trainer
 ``CheckpointWriter`` (DCP shards, per-rank hashing, manifest, rename, rotation). Per mode it trains
 ``--steps-between`` small steps (B=1, ``--seq`` tokens) before each of ``--saves`` saves, timing each
 ``save`` call and the wait for the last save before exit; a rank's stall is what its loop waits, the
-table shows the slowest rank. Writes a JSON record to ``--out`` (default in the temp directory) or,
-with ``--record``, appends it to ``bench/results/checkpoint_stall.json``.
+table shows the slowest rank. Appends a record to ``--out`` (default: the cache directory, see
+``bench.runner``), or with ``--record`` to ``bench/results/checkpoint_stall.json``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ import socket
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.runner import RESULTS_DIR
+from bench import cases, runner
 
-RESULTS = RESULTS_DIR / "checkpoint_stall.json"
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "xlnet_fast_bench" / "checkpoint_stall.json"
+RECORDS = "checkpoint_stall.json"
 ROWS_PER_RANK = 16  # the base preset's --batch-size
 MODES = ("sync", "async")
 
@@ -84,10 +82,9 @@ def _build(rank: int, world: int, tokenizer_dir: str):
 
 
 def _train_step(model, optimizer, seq: int) -> float:
-    from bench.pretrain_step import make_batch
-
     t0 = time.perf_counter()
-    b = make_batch(1, seq, max(1, seq // 6), model.config.vocab_size, "cpu")
+    b = cases.pretraining_batch(cases.ModelCase("base", B=1, seq=seq, predict=max(1, seq // 6),
+                                                vocab=model.config.vocab_size))
     out = model(b["ids"], q_rank=b["q_rank"], k_rank=b["k_rank"], target_pos=b["target_pos"], labels=b["labels"],
                 use_mems=False)
     out.loss.backward()
@@ -164,15 +161,12 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128, help="tokens of a training step's single row")
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // 2), help="torch threads per rank")
     p.add_argument("--work-dir", default=None, help="where the checkpoints are written (default: a temp directory)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON record (appended)")
-    p.add_argument("--record", action="store_true", help="append the record to bench/results/checkpoint_stall.json "
-                   "instead of --out")
+    runner.add_output_args(p, RECORDS)
     args = p.parse_args(argv)
     print(f"checkpoint stall, sync vs async save: base preset (vocab 32000), FSDP2 on {args.ranks} gloo CPU ranks, "
           f"AdamW, mems of {ROWS_PER_RANK} rows per rank; per mode {args.saves} saves, each after "
           f"{args.steps_between} training steps (B=1, seq {args.seq}). Takes about 2 minutes on 2 idle cores "
           "(model set-up, training steps, 4 checkpoints of ~1.9 GB written and hashed).", flush=True)
-    from bench.runner import append_records, environment
     from xlnet_fast.pretrain import train_tokenizer
 
     work = tempfile.mkdtemp(prefix="checkpoint_stall_", dir=args.work_dir)
@@ -189,14 +183,15 @@ def main(argv=None) -> int:
             result = json.load(f)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record = {**environment(), "op": "checkpoint_stall", "preset": "base", "ranks": args.ranks, "backend": "gloo",
+    record = {**runner.environment(), "op": "checkpoint_stall", "preset": "base", "ranks": args.ranks,
+              "backend": "gloo",
               "fsdp": True, "params": result["params"], "rows_per_rank": ROWS_PER_RANK, "saves": args.saves,
               "steps_between": args.steps_between, "seq": args.seq, "threads_per_rank": args.threads,
               "cpu_count": os.cpu_count(), "loadavg_before": loadavg_before,
               "loadavg_after": [round(x, 2) for x in os.getloadavg()],
               "modes": {mode: _summary(result["per_rank"], mode) for mode in MODES}}
     _print_table(record)
-    append_records(RESULTS if args.record else args.out, [record])
+    runner.write_records(args, RECORDS, [record])
     return 0
 
 

@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     record = {
         **runner.environment(), "op": "cpu_model_vs_hf", "model": cls,
         "device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-        "transformers": transformers.__version__, "d_model": d_model, "n_layer": args.layers, "B": 1,
-        "L": args.seq, "dtype": "float32", "repeats": args.repeats, "max_abs_output_diff": err, "modes": {},
+        "d_model": d_model, "n_layer": args.layers, "B": 1, "L": args.seq, "dtype": "float32",
+        "repeats": args.repeats, "max_abs_output_diff": err, "modes": {},
     }
     for mode in MODES:
         (th, mh), (to, mo) = results[("hf", mode)], results[("xlnet_fast", mode)]
@@ -153,9 +153,7 @@ def main(argv=None) -> int:
               + ("        -" if mem_ratio is None else f"{mem_ratio:9.3f}"))
         record["modes"][mode] = {"hf_ms": th * 1e3, "xlnet_fast_ms": to * 1e3, "time_ratio": to / th,
                                  "hf_peak_growth_mb": mh, "xlnet_fast_peak_growth_mb": mo, "mem_ratio": mem_ratio}
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, [record])
+    runner.write_records(args, RECORDS, [record])
     return 0
 
 

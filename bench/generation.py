@@ -145,9 +145,7 @@ def main(argv=None) -> int:
             print(f"{kind:11} {L:6} {fmt(rec.get('cached_tokens_per_s')):>13} "
                   f"{fmt(rec.get('recompute_tokens_per_s')):>16} {fmt(rec['speedup']):>8} {rec.get('same_tokens')}",
                   flush=True)
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, records)
+    runner.write_records(args, RECORDS, records)
     return 0
 
 

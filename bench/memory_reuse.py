@@ -29,21 +29,10 @@ import sys
 import torch
 
 from bench import runner
+from bench.generation import DTYPES, build_model
 
 RECORDS = "memory_reuse.json"
 LENGTHS = (128, 256, 512, 1024, 2048, 3800)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def build_model(size: str, device: str, dtype: torch.dtype = torch.float32):
-    """A ``TransfoXLLMHeadModel`` of ``size`` with random weights, eval mode, no dropout, no clamp."""
-    from xlnet_fast import TransfoXLConfig, TransfoXLLMHeadModel
-    from xlnet_fast.transfo_xl.config import TRANSFO_XL_SIZES
-
-    torch.manual_seed(0)
-    config = TransfoXLConfig(**TRANSFO_XL_SIZES[size], dropout=0.0, dropatt=0.0, mem_len=0, same_length=False,
-                             clamp_len=-1)
-    return TransfoXLLMHeadModel(config).to(device=device, dtype=dtype).eval()
 
 
 def segment_split(A: int, tgt_len: int) -> tuple[int, int]:
@@ -126,7 +115,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = runner.device_name()
-    model = build_model(args.size, device, DTYPES[args.dtype])
+    model = build_model("transfo-xl", args.size, device, DTYPES[args.dtype], mem_len=0)
     if device == "cpu":
         runner.announce(f"memory reuse vs recompute, {args.size} Transformer-XL ({model.config.n_layer} layers, "
                         f"d_model {model.config.d_model}) on CPU at attention lengths {args.lengths}: about "
@@ -142,9 +131,7 @@ def main(argv=None) -> int:
         fmt = lambda x: "OOM" if x is None else f"{x:,.1f}"  # noqa: E731
         print(f"{A:6} {rec['tgt_len']:5} {rec['mem_len']:5} {fmt(rec['memory_tokens_per_s']):>13} "
               f"{fmt(rec['recompute_tokens_per_s']):>16} {fmt(rec['speedup']):>9}", flush=True)
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, records)
+    runner.write_records(args, RECORDS, records)
     return 0
 
 

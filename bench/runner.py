@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.metadata
 import itertools
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -88,10 +90,14 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     _atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format="png"), binary=True)
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, atomically."""
+    _atomic_write(path, lambda f: f.write(text))
+
+
 def write_json(path: Path, value) -> None:
     """Write ``value`` as indented JSON to ``path``, atomically."""
-    text = json.dumps(value, indent=1) + "\n"
-    _atomic_write(path, lambda f: f.write(text))
+    write_text(path, json.dumps(value, indent=1) + "\n")
 
 
 def append_records(path: Path, records: list[dict]) -> None:
@@ -104,17 +110,26 @@ def append_records(path: Path, records: list[dict]) -> None:
     print(f"appended {len(records)} records to {path}")
 
 
-def environment() -> dict:
-    """``device``, ``torch``, ``triton``, ``date`` for a result record."""
-    try:
-        import triton
+def write_records(args: argparse.Namespace, name: str, records: list[dict]) -> None:
+    """Append ``records`` to where a script run with ``args`` writes ``name`` (``output_path``);
+    nothing with ``--no-record``."""
+    path = output_path(args, name)
+    if path is not None:
+        append_records(path, records)
 
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+
+def environment() -> dict:
+    """``device``, the versions (``python``, ``torch``, ``cuda``, ``triton``, ``transformers``; None
+    where not installed) and ``date`` for a result record."""
+    versions = {}
+    for name in ("triton", "transformers"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "torch": torch.__version__, "triton": triton_version,
-            "date": datetime.date.today().isoformat()}
+    return {"device": device, "python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, **versions, "date": datetime.date.today().isoformat()}
 
 
 def device_name() -> str:

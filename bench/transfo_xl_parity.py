@@ -152,12 +152,10 @@ def main(argv=None) -> int:
                   f"{s['mems_max_abs_diff']:.2e}")
         print(f"{r['config']:22} ours -> 4.x: log-probs {r['reverse_log_probs_max_abs_diff']:.2e}; "
               f"{'within' if r['within_1e-4'] else 'OUTSIDE'} 1e-4 ({r['weights_file']})")
-    record = {**runner.environment(), "op": "transfo_xl_parity", "transformers": transformers.__version__,
+    record = {**runner.environment(), "op": "transfo_xl_parity",
               "B": B, "L": L, "dtype": "float32", "tolerance": TOL, "results": results,
               "all_within_tolerance": all(r["within_1e-4"] for r in results)}
-    path = runner.output_path(args, RECORDS)
-    if path is not None:
-        runner.append_records(path, [record])
+    runner.write_records(args, RECORDS, [record])
     return 0 if record["all_within_tolerance"] else 1
 
 

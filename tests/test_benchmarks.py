@@ -63,8 +63,10 @@ def test_benchmark_model_forward(benchmark):
     assert out.shape == (2, 256, 256)
 
 
-def test_plot_writes_pngs(tmp_path):
+def test_plot_writes_pngs_and_without_record_to_the_cache(tmp_path, cache):
     pytest.importorskip("matplotlib")
+    assert plot.main([]) == 0  # the repository's records
+    assert (cache / "cpu_vs_hf.png").exists()
     recs = [{"op": "xlnet_attn", "device": "Fake GPU", "dtype": "bf16", "D": 64, "mlen": 0, "mode": "fwd",
              "provider": p, "L": L, "ms": ("OOM" if (p == "hf" and L == 4096) else L / 100)}
             for p in ("xlnet_fast", "hf") for L in (512, 4096)]
@@ -219,12 +221,6 @@ def test_cpu_vs_hf_without_record_writes_to_the_cache(cache, monkeypatch, capsys
     assert record["op"] == "cpu_model_vs_hf" and record["L"] == 8 and set(record["modes"]) == {"fwd", "fwd_bwd"}
     assert record["max_abs_output_diff"] < 1e-4
     assert "about" in capsys.readouterr().err  # said how long it would take
-
-
-def test_plot_without_record_writes_to_the_cache(cache):
-    pytest.importorskip("matplotlib")
-    assert plot.main([]) == 0  # the repository's records
-    assert (cache / "cpu_vs_hf.png").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")

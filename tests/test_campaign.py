@@ -1,8 +1,9 @@
-"""bench.campaign, the GPU campaign in one command. Its orchestration runs here with --cpu-dry-run
-(tiny shapes, the kernels in Triton's interpreter, eager providers): the files it writes, the record
-schema, a failing step or item recorded while the campaign goes on, a crashed step, the time-box,
-the refusals; and the pieces that only run on a GPU, fed with what a GPU gives (pytest's output,
-autotuner caches, GPU-like records for the summary and the README tables)."""
+"""bench.campaign, the GPU campaign in one command. One CPU dry run of the whole campaign (tiny
+shapes, the kernels in Triton's interpreter): the files it writes, the record schema, what each step
+measures. The failure handling with stand-in step processes (one fails, one dies, one hangs with the
+process group it started), the time-box, the refusals; and the pieces that only run on a GPU, fed
+with what a GPU gives (pytest's output, autotuner caches, GPU-like records for the summary and the
+README tables)."""
 
 import json
 import os
@@ -14,24 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import campaign, campaign_report, campaign_steps
+from bench import campaign, campaign_report
+from bench.compiler import pinned_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON_FIELDS = {"run", "step", "op", "status", "t", "device"}
 STATUSES = {"ok", "error", "skipped", "cut", "oom"}
 ALL_FILES = {"campaign.jsonl", "campaign.log", "summary.md", "attention.png", "pretrain.png"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def run_campaign(tmp_path, *args):
-    """``python -m bench.campaign --cpu-dry-run --out tmp/out ARGS``: the process, the folder, its records."""
-    out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-m", "bench.campaign", "--cpu-dry-run", "--out", str(out), *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    path = out / campaign.RECORDS_FILE
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return proc, out, records
 
 
 def assert_schema(records):
@@ -53,19 +44,17 @@ def by(records, **match):
     return [r for r in records if all(r.get(k) == v for k, v in match.items())]
 
 
-def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
-    proc, out, records = run_campaign(tmp_path, "--budget-min", "3", "--inject-failure", "env",
-                                      "--inject-failure", "xlnet_attn:hf", "--sweep-D", "8")
-    assert proc.returncode == 1, proc.stderr[-3000:]  # errors were recorded
-    files = sorted(p.name for p in out.iterdir())
-    assert set(files) == ALL_FILES and len(files) <= campaign.MAX_FILES  # no temporary file left
+def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "bench.campaign", "--cpu-dry-run", "--out", str(out), "--budget-min",
+                           "3", "--sweep-D", "8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} == ALL_FILES  # no temporary file left
+    records = [json.loads(line) for line in (out / campaign.RECORDS_FILE).read_text().splitlines()]
     assert_schema(records)
     steps = by(records, op="step")
-    assert [s["step"] for s in steps] == ["env", "correctness", "sweep", "pretrain", "memory", "plots"]
-    assert [s["status"] for s in steps] == ["error", "ok", "error", "ok", "ok", "ok"]
-    # the failing step: its error, and the steps after it ran
-    [env_error] = by(records, step="env", op="env")
-    assert env_error["status"] == "error" and "injected failure (env)" in env_error["error"]
+    assert [(s["step"], s["status"]) for s in steps] == [(s, "ok") for s in campaign.STEPS]
     # correctness: the test suite in a subprocess, the float64 check
     [tests] = by(records, op="pytest")
     assert tests["status"] == "ok" and tests["counts"]["passed"] == 1 and tests["returncode"] == 0
@@ -73,23 +62,22 @@ def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
     assert check["within_tolerance"] and check["deterministic"] and 0 < check["rel_err_out"] < 1e-2
     [each_config] = by(records, op="xlnet_attn_check", status="skipped")  # no autotuner in the interpreter
     assert each_config["config"] == "each" and "fixed tiles" in each_config["reason"]
-    # the sweep: every provider on the same shape; the failing item recorded, the others measured
+    # the sweep: every provider on the same shape
     [agree] = by(records, op="provider_agreement")
     assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "hf", "flex"}
     assert max(agree["rel_err_vs_eager_fp32"].values()) < 1e-5
     timed = by(records, op="xlnet_attn", status="ok")
     assert {(r["provider"], r["mode"]) for r in timed if not r.get("repeat")} == {
         ("xlnet_fast", "fwd"), ("xlnet_fast", "fwd_bwd"), ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
-        ("eager", "fwd_bwd"), ("flex", "fwd"), ("fa2_ref", "fwd"), ("fa2_ref", "fwd_bwd")}
+        ("eager", "fwd_bwd"), ("hf", "fwd"), ("hf", "fwd_bwd"), ("flex", "fwd"), ("fa2_ref", "fwd"),
+        ("fa2_ref", "fwd_bwd")}
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["D"] == 8 for r in timed)  # --sweep-D 8
     assert len(by(records, op="xlnet_attn", provider="xlnet_fast", repeat=True)) == 1
-    hf_errors = by(records, op="xlnet_attn", provider="hf")
-    assert [r["status"] for r in hf_errors] == ["error", "error"]
     skipped = by(records, op="xlnet_attn", status="skipped")
     assert {(r["provider"], r["mode"]) for r in skipped} == {("sdpa_flash", "fwd"), ("sdpa_flash", "fwd_bwd"),
                                                              ("flex", "fwd_bwd")}
-    assert all(r["reason"].startswith(campaign_steps.NEEDS_CUDA) for r in skipped)
-    # the pretraining step and the plots
+    assert all(r["reason"].startswith(campaign.NEEDS_CUDA) for r in skipped)
+    # the pretraining step
     steps_measured = by(records, op="pretrain_step", status="ok")
     assert sorted(r["provider"] for r in steps_measured) == ["hf", "xlnet_fast"]
     assert all(r["tokens_per_s"] > 0 for r in steps_measured)
@@ -101,67 +89,80 @@ def test_dry_run_writes_its_files_and_records_failures_while_going_on(tmp_path):
     assert [r["same_tokens"] for r in gen if r["model"] == "transfo-xl"] == [True]
     for name in ("attention.png", "pretrain.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
-    # tracebacks in the log; the summary printed last is the one written
-    log = (out / "campaign.log").read_text()
-    assert "RuntimeError: injected failure (xlnet_attn:hf)" in log and "Traceback" in log
+    # the summary printed last is the one written
     summary = (out / "summary.md").read_text()
     assert proc.stdout.strip().endswith(summary.strip())
-    assert "injected failure (xlnet_attn:hf)" in summary and "needs CUDA (the flash backend)" in summary
+    assert "needs CUDA (the flash backend)" in summary
     assert "## Memory: evaluation and generation" in summary and "| tiny float32 | 32 | 8 | 24 |" in summary
 
 
-def test_a_budget_too_small_cuts_every_step_and_still_writes_the_summary(tmp_path):
-    proc, out, records = run_campaign(tmp_path, "--budget-min", "0.01", "--steps", "env", "sweep", "plots")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_schema(records)
-    steps = by(records, op="step")
-    assert [(s["step"], s["status"]) for s in steps] == [("env", "cut"), ("sweep", "cut"), ("plots", "ok")]
-    assert by(records, op="plot", status="skipped")  # nothing to plot
-    assert sorted(p.name for p in out.iterdir()) == ["campaign.jsonl", "campaign.log", "summary.md"]
-    assert "cut: step env not started" in proc.stderr
-    assert "not started: the budget was used up" in (out / "summary.md").read_text()
+def test_a_failing_a_dying_and_a_hanging_step_are_recorded_and_the_next_steps_run(tmp_path, monkeypatch, capsys):
+    """Stand-ins for the steps' processes: one reports an error, one dies without a word (as on a
+    fatal CUDA error), one is still running past its share with a process group it started (as the
+    correctness step starts the test suite): killed with that group, a cut recorded. Then the budget
+    is used up: the next step is not started, and the summary is still written."""
+    pid_file = tmp_path / "grandchild.pid"
+    scripts = {
+        "env": "print('@record {\"op\": \"environment\", \"status\": \"error\", \"error\": \"RuntimeError: no\"}')\n"
+               "import sys; sys.exit(1)\n",
+        "correctness": "import os; os._exit(70)\n",
+        "sweep": ("import pathlib, subprocess, sys, time\n"
+                  "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
+                  f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n"
+                  "print('@group', p.pid, flush=True)\n"
+                  "print('@record {\"op\": \"x\", \"status\": \"ok\"}', flush=True)\n"
+                  "time.sleep(120)\n")}
+    monkeypatch.setattr(campaign.Campaign, "child_command",
+                        lambda self, step, deadline: [sys.executable, "-c", scripts[step]])
+    steps = ["env", "correctness", "sweep", "memory", "plots"]
+    c = campaign.Campaign(tmp_path / "out", budget_s=1, mode="dry", steps=steps)
+    t0 = time.time()
+    for step in ("env", "correctness", "sweep"):
+        c.run_step(step, share=campaign.MIN_STEP_S)
+    assert time.time() - t0 < 3 * campaign.MIN_STEP_S + campaign.GRACE_MIN_S + 20
+    c.run_step("memory", c.share("memory", ["memory", "plots"]))
+    c.finish()
+    assert_schema(c.records)
+    assert [(r["step"], r["op"], r["status"]) for r in c.records] == [
+        ("env", "environment", "error"), ("env", "step_process", "error"), ("env", "step", "error"),
+        ("correctness", "step_process", "error"), ("correctness", "step", "error"),
+        ("sweep", "x", "ok"), ("sweep", "step_killed", "cut"), ("sweep", "step", "cut"), ("memory", "step", "cut"),
+        ("plots", "plot", "skipped"), ("plots", "plot", "skipped"), ("plots", "step", "ok")]  # nothing to plot
+    assert "status 70" in c.records[3]["error"]
+    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+    deadline = time.time() + 10
+    while stat.exists() and stat.read_text().split()[2] != "Z" and time.time() < deadline:
+        time.sleep(0.1)
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # killed (a zombie until reaped)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["campaign.jsonl", "campaign.log", "summary.md"]
+    assert "cut: step memory not started" in capsys.readouterr().err
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "status 70" in summary and "error: env/environment" in summary and "RuntimeError: no" in summary
+    assert "not started: the budget was used up" in summary
 
 
-def test_a_step_whose_process_dies_is_recorded(tmp_path):
-    proc, out, records = run_campaign(tmp_path, "--steps", "pretrain", "plots", "--inject-failure", "crash:pretrain")
-    assert proc.returncode == 1
-    assert_schema(records)
-    [crash] = by(records, op="step_process")
-    assert crash["status"] == "error" and "status 70" in crash["error"]
-    assert [s["status"] for s in by(records, op="step")] == ["error", "ok"]
-    assert "status 70" in (out / "summary.md").read_text()
-
-
-def test_items_past_the_deadline_are_cut_and_named(capsys):
-    r = campaign_steps.Reporter(deadline=time.time() - 1, device="cpu")
+def test_items_past_the_deadline_are_cut_and_an_item_out_of_memory_or_raising_is_recorded(capsys):
+    r = campaign.Reporter(deadline=time.time() - 1, device="cpu")
     assert list(r.each([1, 2, 3], lambda x: f"item{x}", "xlnet_attn")) == []
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(campaign_steps.RECORD_PREFIX)]
-    [cut] = [json.loads(line[len(campaign_steps.RECORD_PREFIX):]) for line in lines]
-    assert cut["status"] == "cut" and cut["not_run"] == ["item1", "item2", "item3"]
-    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cpu")
+    r = campaign.Reporter(deadline=time.time() + 60, device="cpu")
     assert list(r.each([1, 2], str, "x")) == [1, 2]
-
-
-def test_an_item_that_runs_out_of_memory_is_an_oom_record(capsys):
-    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cpu")
 
     def too_big():
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
-    [rec] = r.attempt("pretrain_step", too_big, provider="hf")
-    assert rec["status"] == "oom" and rec["provider"] == "hf"
+    [oom] = r.attempt("pretrain_step", too_big, provider="hf")
+    assert oom["status"] == "oom" and oom["provider"] == "hf"
     [ok] = r.attempt("x", lambda: {"ms": 1.0, "status": "ok"}, provider="p")
     assert ok["status"] == "ok" and ok["ms"] == 1.0
+    [error] = r.attempt("x", lambda: 1 / 0, provider="p")
+    assert error["status"] == "error" and error["error"] == "ZeroDivisionError: division by zero"
+    out = capsys.readouterr().out
+    cut = [json.loads(line[len(campaign.RECORD_PREFIX):]) for line in out.splitlines()
+           if line.startswith(campaign.RECORD_PREFIX)][0]
+    assert cut["status"] == "cut" and cut["not_run"] == ["item1", "item2", "item3"]
+    assert "Traceback" in out and "ZeroDivisionError" in out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-def test_refuses_without_a_gpu_unless_dry_run(tmp_path, capsys):
-    assert campaign.main(["--out", str(tmp_path / "o"), "--quick"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no CUDA device" in err and "--cpu-dry-run" in err
-    assert not (tmp_path / "o").exists()
-
-
-def test_refuses_a_folder_holding_another_runs_files(tmp_path, capsys):
+def test_refuses_a_folder_holding_another_runs_files_bad_arguments_and_no_gpu(tmp_path, capsys):
     (tmp_path / "campaign.jsonl").write_text("{}\n")
     assert campaign.main(["--out", str(tmp_path), "--cpu-dry-run"]) == 2
     err = capsys.readouterr().err
@@ -169,6 +170,12 @@ def test_refuses_a_folder_holding_another_runs_files(tmp_path, capsys):
     assert (tmp_path / "campaign.jsonl").read_text() == "{}\n"
     assert campaign.main(["--cpu-dry-run"]) == 2 and "--out" in capsys.readouterr().err
     assert campaign.main(["--out", str(tmp_path / "x"), "--budget-min", "0", "--cpu-dry-run"]) == 2
+    capsys.readouterr()
+    if not torch.cuda.is_available():  # the CPU refusal
+        assert campaign.main(["--out", str(tmp_path / "o"), "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no CUDA device" in err and "--cpu-dry-run" in err
+        assert not (tmp_path / "o").exists()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -180,12 +187,12 @@ def test_pytest_output_is_counted_from_the_closing_line_or_the_test_lines():
     closing = ["tests/test_a.py::test_x PASSED", "FAILED tests/test_a.py::test_y - AssertionError: no",
                "ERROR tests/test_b.py::test_z - RuntimeError",
                "=== 1 failed, 10 passed, 2 skipped, 1 error in 3.21s ==="]
-    got = campaign_steps.parse_pytest(closing)
+    got = campaign.parse_pytest(closing)
     assert got["counts"] == {"failed": 1, "passed": 10, "skipped": 2, "errors": 1}
     assert got["failed_tests"] == ["tests/test_a.py::test_y", "tests/test_b.py::test_z"]
     stopped = ["[gw0] [ 10%] PASSED tests/test_a.py::test_x", "[gw1] [ 20%] FAILED tests/test_a.py::test_y",
                "[gw0] [ 30%] SKIPPED tests/test_a.py::test_z", "[gw1] [ 40%] PASSED tests/test_a.py::test_w"]
-    got = campaign_steps.parse_pytest(stopped)
+    got = campaign.parse_pytest(stopped)
     assert got["closing_line"] is None and got["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
 
 
@@ -201,22 +208,35 @@ class _Tuner:
         self.cache = {}
 
 
-def test_autotune_records_the_winner_and_each_configs_time(capsys, monkeypatch):
+def test_autotuners_pinned_and_restored_and_their_choices_recorded():
+    kernels = pinned_configs.tuned_kernels()
+    names = pinned_configs.all_config_names()
+    assert len(names) == len(set(names)) > 1 and campaign.PYTEST_CONFIG in names
+    before = {n: list(k.configs) for n, k in kernels.items()}
+    kernels["fwd_kernel_tuned"].cache[("a key",)] = kernels["fwd_kernel_tuned"].configs[0]
+    try:
+        with pinned_configs.pinned(["64x64w4s1"]):
+            for k in kernels.values():
+                assert [pinned_configs.config_name(c) for c in k.configs] == ["64x64w4s1"] and not k.cache
+        assert {n: list(k.configs) for n, k in kernels.items()} == before
+        assert ("a key",) in kernels["fwd_kernel_tuned"].cache
+        with pytest.raises(ValueError, match="configs must be among"):
+            with pinned_configs.pinned(["64x64w4s1", "1x1w1s1"]):
+                pass
+        assert {n: list(k.configs) for n, k in kernels.items()} == before  # nothing half-pinned
+    finally:
+        kernels["fwd_kernel_tuned"].cache.pop(("a key",), None)
+    # the choices, as the campaign records them
     fwd = _Tuner()
-    monkeypatch.setattr(campaign_steps.AutotuneWatch, "_kernels", staticmethod(lambda: {"fwd_kernel_tuned": fwd}))
-    r = campaign_steps.Reporter(deadline=time.time() + 60, device="cuda")
-    watch = campaign_steps.AutotuneWatch(r)
+    log = pinned_configs.TuningLog({"fwd_kernel_tuned": fwd})
     fast, slow = _Config(128, 64, 8, 2), _Config(64, 64, 4, 1)
     fwd.cache[(512, 896, 64, "torch.bfloat16", "torch.int32")] = fast
     fwd.configs_timings = {fast: [0.5, 0.4, 0.6], slow: [0.9, 0.8, 1.0]}
-    watch.look("xlnet_fast fwd L=512")
-    watch.look("again: nothing new")
+    recs = log.new("xlnet_fast fwd L=512") + log.new("again: nothing new")
     fwd.cache[(4096, 4480, 64, "torch.bfloat16")] = slow  # tuned without timings seen (e.g. two keys at once)
     fwd.cache[(2048, 2432, 64, "torch.bfloat16")] = slow
     fwd.configs_timings = {slow: [2.0, 1.9, 2.1]}
-    watch.look("two keys")
-    recs = [json.loads(line[len(campaign_steps.RECORD_PREFIX):]) for line in capsys.readouterr().out.splitlines()
-            if line.startswith(campaign_steps.RECORD_PREFIX)]
+    recs += log.new("two keys")
     assert [(x["context"], x["best"]) for x in recs] == [("xlnet_fast fwd L=512", "128x64w8s2"),
                                                         ("two keys", "64x64w4s1"), ("two keys", "64x64w4s1")]
     assert recs[0]["key"] == {"M": 512, "N_KEYS": 896, "HEAD_DIM": 64, "dtypes": ["torch.bfloat16", "torch.int32"]}
@@ -232,6 +252,11 @@ def _gpu_like_records():
         return {**base, "step": "sweep", "op": "xlnet_attn", "status": status, "provider": provider, "mode": mode,
                 "dtype": "bf16", "B": 32, "H": 16, "L": 512, "mlen": 384, "D": 64, "ms": ms,
                 "tflops": None if ms == "OOM" else 1.0 / ms, "peak_mem_mb": 100.0}
+
+    def step(provider, ms, tokens_per_s, peak_mem_mb):
+        return {**base, "step": "pretrain", "op": "pretrain_step", "status": "ok", "provider": provider,
+                "case": "base", "config": "base", "n_layer": 12, "B": 8, "L": 512, "mlen": 384, "num_predict": 85,
+                "ms": ms, "tokens_per_s": tokens_per_s, "peak_mem_mb": peak_mem_mb}
     return [
         {**base, "step": "env", "op": "environment", "status": "ok", "sm_count": 132, "memory_gib": 79.2,
          "transformers": "5.17.0", "cuda": "13.0", "python": "3.12.3", "mode": "full"},
@@ -240,12 +265,7 @@ def _gpu_like_records():
         attn("xlnet_fast", "fwd_bwd", 2.0), attn("sdpa_flash", "fwd_bwd", 1.5), attn("hf", "fwd_bwd", 30.0),
         attn("flex", "fwd_bwd", 6.0), attn("xlnet_fast", "fwd", 1.0), attn("sdpa_flash", "fwd", 0.4),
         attn("hf", "fwd", 8.0), attn("flex", "fwd", "OOM", status="oom"),
-        {**base, "step": "pretrain", "op": "pretrain_step", "status": "ok", "provider": "xlnet_fast", "case": "base",
-         "config": "base", "n_layer": 12, "B": 8, "L": 512, "mlen": 384, "num_predict": 85, "ms": 100.0,
-         "tokens_per_s": 40960.0, "peak_mem_mb": 10240.0},
-        {**base, "step": "pretrain", "op": "pretrain_step", "status": "ok", "provider": "hf", "case": "base",
-         "config": "base", "n_layer": 12, "B": 8, "L": 512, "mlen": 384, "num_predict": 85, "ms": 300.0,
-         "tokens_per_s": 13653.0, "peak_mem_mb": 20480.0},
+        step("xlnet_fast", 100.0, 40960.0, 10240.0), step("hf", 300.0, 13653.0, 20480.0),
     ]
 
 
@@ -267,6 +287,12 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["attention.png", "pretrain.png", "summary.md"]
     assert campaign.main(["--report", str(path), "--out", str(out)]) == 2  # never over another report
     assert campaign.main(["--report", str(tmp_path / "missing.jsonl")]) == 2
+    # a record a section cannot read costs that section only
+    records = _gpu_like_records() + [{"run": "r", "step": "sweep", "t": 2.0, "device": "x", "op": "xlnet_attn",
+                                      "status": "ok", "provider": "xlnet_fast"}]  # no shape fields
+    text = campaign_report.summary_markdown(records)
+    assert "## Attention" in text and "could not be made from the records: KeyError" in text
+    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in text  # the other sections are there
 
 
 def test_an_uninstalled_source_tree_imports_its_kernels(tmp_path):
@@ -275,6 +301,13 @@ def test_an_uninstalled_source_tree_imports_its_kernels(tmp_path):
     import shutil
     import site
 
+    from bench import source_tree
+
+    spec = source_tree._KernelsFinder().find_spec("xlnet_fast.kernels")
+    assert Path(spec.origin) == ROOT / "kernels" / "__init__.py"
+    assert spec.submodule_search_locations == [str(ROOT / "kernels")]
+    assert source_tree._KernelsFinder().find_spec("xlnet_fast.other") is None
+    assert source_tree.ensure_kernels_importable() is None  # importable here already: nothing added
     shutil.copytree(ROOT / "xlnet_fast", tmp_path / "xlnet_fast",
                     ignore=shutil.ignore_patterns("kernels", "__pycache__"))
     shutil.copytree(ROOT / "kernels", tmp_path / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
@@ -295,70 +328,13 @@ def test_an_uninstalled_source_tree_imports_its_kernels(tmp_path):
     assert where == f"{tmp_path / 'kernels' / '__init__.py'} True"
 
 
-def test_kernels_import_hook_finds_the_source_folder():
-    from bench import source_tree
-
-    spec = source_tree._KernelsFinder().find_spec("xlnet_fast.kernels")
-    assert Path(spec.origin) == ROOT / "kernels" / "__init__.py"
-    assert spec.submodule_search_locations == [str(ROOT / "kernels")]
-    assert source_tree._KernelsFinder().find_spec("xlnet_fast.other") is None
-    assert source_tree.ensure_kernels_importable() is None  # importable here already: nothing added
-
-
-def test_pinned_configs_restrict_the_autotuners_and_restore_them():
-    from bench import pinned_configs
-
-    kernels = pinned_configs.tuned_kernels()
-    names = pinned_configs.all_config_names()
-    assert len(names) == len(set(names)) > 1 and "64x64w4s1" in names
-    before = {n: list(k.configs) for n, k in kernels.items()}
-    kernels["fwd_kernel_tuned"].cache[("a key",)] = kernels["fwd_kernel_tuned"].configs[0]
-    try:
-        with pinned_configs.pinned(["64x64w4s1"]):
-            for k in kernels.values():
-                assert [pinned_configs.config_name(c) for c in k.configs] == ["64x64w4s1"] and not k.cache
-        assert {n: list(k.configs) for n, k in kernels.items()} == before
-        assert ("a key",) in kernels["fwd_kernel_tuned"].cache
-        with pytest.raises(ValueError, match="configs must be among"):
-            with pinned_configs.pinned(["64x64w4s1", "1x1w1s1"]):
-                pass
-        assert {n: list(k.configs) for n, k in kernels.items()} == before  # nothing half-pinned
-    finally:
-        kernels["fwd_kernel_tuned"].cache.pop(("a key",), None)
-
-
-def test_a_step_past_its_deadline_is_killed_with_what_it_started(tmp_path, monkeypatch):
-    """The time-box's last resort: a step still running a grace period after its share is killed,
-    and so is the process group it announced (as the correctness step announces the test suite's),
-    and a cut is recorded."""
-    pid_file = tmp_path / "grandchild.pid"
-    script = ("import pathlib, subprocess, sys, time\n"
-              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)\n"
-              f"pathlib.Path({str(pid_file)!r}).write_text(str(p.pid))\n"
-              "print('@group', p.pid, flush=True)\n"
-              "print('@record {\"op\": \"x\", \"status\": \"ok\"}', flush=True)\n"
-              "time.sleep(120)\n")
-    monkeypatch.setattr(campaign.Campaign, "_child_command",
-                        lambda self, step, deadline: [sys.executable, "-c", script])
-    c = campaign.Campaign(tmp_path / "out", budget_s=60, mode="dry", steps=["sweep"], failures=[])
-    t0 = time.time()
-    c.run_step("sweep", share=campaign.MIN_STEP_S)
-    assert time.time() - t0 < campaign.MIN_STEP_S + campaign.GRACE_MIN_S + 10
-    assert [(r["op"], r["status"]) for r in c.records] == [("x", "ok"), ("step_killed", "cut"), ("step", "cut")]
-    stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
-    deadline = time.time() + 10
-    while stat.exists() and stat.read_text().split()[2] != "Z" and time.time() < deadline:
-        time.sleep(0.1)
-    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # killed (a zombie until reaped)
-
-
-def test_the_gpu_plans_measure_what_issue_13_asks():
-    full = campaign_steps.PLANS["full"]
+def test_the_gpu_plans_measure_what_the_campaign_is_for():
+    full = campaign.PLANS["full"]
     assert {"xlnet_fast", "xlnet_fast_det", "hf", "flex", "sdpa_flash"} <= set(full.providers)
-    assert (full.sweep_dtype, full.sweep_modes, full.sweep_D) == ("bf16", ("fwd", "fwd_bwd"), (64, 128))
+    assert (full.sweep_dtype, campaign.SWEEP_MODES, full.sweep_D) == ("bf16", ("fwd", "fwd_bwd"), (64, 128))
     assert [(c.qlen, c.mlen, c.B, c.D) for c in full.sweep_cases()[:4]] == [
         (512, 384, 32, 64), (2048, 384, 8, 64), (4096, 384, 4, 64), (16384, 384, 1, 64)]
-    items = campaign_steps.sweep_items(full)
+    items = campaign.sweep_items(full)
     assert items[0][0] == "agree" and [i[1].D for i in items] == sorted(i[1].D for i in items)  # D=64 first
     assert ("time", full.sweep_cases()[0], "fwd", "xlnet_fast_det") not in items  # same forward as xlnet_fast
     checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
@@ -370,15 +346,5 @@ def test_the_gpu_plans_measure_what_issue_13_asks():
     assert [(m.size, m.seq, m.mlen, m.predict) for _, m in full.models] == [("base", 512, 384, 85),
                                                                            ("large", 512, 384, 85)]
     assert "tests/test_hf_patch.py::test_convergence_bf16_on_gpu_is_close" in full.pytest_targets
-    assert full.pytest_config in campaign_steps.pinned_configs.all_config_names()
-    quick = campaign_steps.PLANS["quick"]
+    quick = campaign.PLANS["quick"]
     assert len(quick.sweep_cases()) == 1 and len(quick.models) == 1
-
-
-def test_a_record_a_section_cannot_read_does_not_cost_the_summary():
-    records = _gpu_like_records()
-    records.append({"run": "r", "step": "sweep", "t": 2.0, "device": "x", "op": "xlnet_attn", "status": "ok",
-                    "provider": "xlnet_fast"})  # no shape fields
-    text = campaign_report.summary_markdown(records)
-    assert "## Attention" in text and "could not be made from the records: KeyError" in text
-    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in text  # the other sections are there

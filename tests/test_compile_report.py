@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import compile_report as report
-from bench import runner, sass
+from bench import runner
+from bench.compiler import sass
+from bench.compiler import targets as report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,7 @@ _SASS_TCGEN05 = """
 """
 
 
-def test_sass_natural_loops_key_loop_and_counts():
+def test_sass_natural_loops_key_loop_counts_and_mma_kinds():
     code = sass.parse(_SASS)
     assert code.mma_kind() == "wgmma"
     assert [(loop.head, loop.depth()) for loop in code.loops] == [(0x10, 0), (0x30, 1)]
@@ -80,9 +81,7 @@ def test_sass_natural_loops_key_loop_and_counts():
     assert (once["inst"], once["mma"], once["shfl"], once["stl"], once["stg"]) == (9, 2, 1, 1, 1)
     thrice = sass.per_iteration(key, lambda loop: 3)
     assert (thrice["inst"], thrice["mma"], thrice["stg"]) == (4 + 3 * 5, 1 + 3, 3)
-
-
-def test_sass_uniform_predicate_branches_and_tcgen05():
+    # branches on a uniform predicate, tcgen05
     code = sass.parse(_SASS_TCGEN05)
     assert code.mma_kind() == "tcgen05"
     assert [loop.head for loop in code.loops] == [0x20]
@@ -100,14 +99,11 @@ def _binary(config, role="dq", arch=90, D=64, scenario="two-stream", kernel=None
     return report.launchability(record)
 
 
-def test_launchable_follows_the_arch_shared_memory_limit():
-    assert _binary("a", arch=90, smem_bytes=200_000)["launchable"]
+def test_best_config_is_launchable_and_spill_free_and_problems_are_reported():
+    assert _binary("a", arch=90, smem_bytes=200_000)["launchable"]  # launchable: the arch's shared memory
     assert not _binary("a", arch=86, smem_bytes=200_000)["launchable"]  # 101,376 B per block
     assert not _binary("a", arch=100, smem_bytes=100_000, tmem_columns=640)["launchable"]  # 512 TMEM columns
     assert _binary("a", arch=80, smem_bytes=166_912)["launchable"]
-
-
-def test_best_config_is_launchable_and_spill_free_and_problems_are_reported():
     records = [  # the dk_r kernel (no ratio cap) on sm_90
         _binary("fast", role="dkr", inst_per_score=20.0, smem_bytes=240_000),  # over sm_90's 232,448 B
         _binary("spills", role="dkr", inst_per_score=25.0, spill_bytes=8),
@@ -132,7 +128,7 @@ def test_best_config_is_launchable_and_spill_free_and_problems_are_reported():
     assert d128["best"]["config"] == "clean" and not d128["problems"]
 
 
-def test_ratio_is_against_the_reference_at_the_same_config_only():
+def test_ratio_and_dropout_overhead_compare_the_same_config_only():
     records = [_binary("128x64w8s2", inst_per_score=33.0), _binary("64x64w4s1", inst_per_score=30.0),
                _binary("64x64w8s2", inst_per_score=30.0), _binary("128x64w8s2", role="dkr", inst_per_score=60.0)]
     references = [_binary("128x64w8s2", kernel="_fa2_bwd_q", inst_per_score=10.0),
@@ -150,9 +146,7 @@ def test_ratio_is_against_the_reference_at_the_same_config_only():
     assert summary["problems"] == ["64x64w4s1: no ratio to the reference at this config (cap 3.0x)"]
     [summary] = report.summarise(records[:1], all_candidates=False)
     assert summary["problems"] == ["128x64w8s2: 3.3x the reference (cap 3.0x)"]
-
-
-def test_dropout_overhead_pairs_the_same_config_and_stream():
+    # dropout's cost: over the same config and stream without dropout
     records = [_binary("a", scenario="two-stream", inst_per_score=40.0),
                _binary("a", scenario="content", inst_per_score=20.0),
                _binary("b", scenario="two-stream", inst_per_score=10.0, spill_bytes=4),
@@ -203,7 +197,7 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     config per kernel no spill, the tensor-core path, the ratio and dropout caps of issue 20, or, where
     a target is not met yet, no worse than ``SHORTFALLS`` measured for this triton; at every config no
     failed compile, no register cliff, no build without MMA (nor a 64-row sm_90 build without wgmma)."""
-    from bench import aot
+    from bench.compiler import aot
 
     for arch in (80, 90):
         problem = aot.toolchain_problem(arch)

@@ -1,13 +1,13 @@
-"""The compile report's FlashAttention-2 reference (``bench.fa2_reference``) computes attention and
-its gradients: a reference whose instruction counts are compared must be a working kernel. Runs in
-triton's interpreter on CPU (lengths not multiples of the tiles), compiled on a GPU."""
+"""The compile report's FlashAttention-2 reference (``bench.compiler.fa2_reference``) computes
+attention and its gradients: a reference whose instruction counts are compared must be a working
+kernel. Runs in triton's interpreter on CPU (lengths not multiples of the tiles), compiled on a GPU."""
 
 import math
 
 import pytest
 import torch
 
-from bench import fa2_reference
+from bench.compiler import fa2_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)

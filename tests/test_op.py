@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from helpers.attention import ARG_NAMES, F64, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case
+from helpers.attention import (ARG_NAMES, F64, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case,
+                               seq_first_views)
 from helpers.compare import rel_err
 from helpers.reference import reference_attention
 from hypothesis import given, settings
@@ -52,7 +53,7 @@ def test_forward_and_grads_match_float64_reference(name):
 
 def test_hf_seq_first_views_work():
     """HF keeps (len, B, H, D) tensors; permuted views with a contiguous last dim are accepted."""
-    seq_first = make_case(seg=False).seq_first_views()
+    seq_first = seq_first_views(make_case(seg=False))
     assert not seq_first.q.is_contiguous()
     out, ref = run_both(seq_first)
     torch.testing.assert_close(out, ref)
@@ -167,7 +168,7 @@ def test_fuzz_against_reference(B, H, D, qlen, mlen, targets, mask, self_visible
     if fp32:  # dtype: float32 against the float64 reference
         case = case.to(dtype=torch.float32)
     if seq_first:  # strides: HF's (len, B, H, D) tensors passed as permuted views
-        case = case.seq_first_views()
+        case = seq_first_views(case)
     out, g_ours = grads(eager_attention, case, dout.to(case.q.dtype))
     tol = 1e-4 if fp32 else 1e-8
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)

@@ -12,7 +12,7 @@ import unittest.mock
 import pytest
 import torch
 from helpers.attention import (ARG_NAMES, GRAD_NAMES, draw_query_rows, eager_attention, grads, make_case,
-                               triton_attention)
+                               seq_first_views, triton_attention)
 from helpers.compare import rel_err
 from helpers.reference import dropout_keep_reference, philox4x32, reference_attention
 from hypothesis import given, settings
@@ -92,7 +92,7 @@ def test_half_precision_against_float64(dtype):
 
 def test_hf_seq_first_views():
     case = make_case(B=2, M=19, H=2, D=16, mlen=4, dtype=torch.float32).to(device=DEVICE)
-    views = case.seq_first_views()
+    views = seq_first_views(case)
     assert not views.q.is_contiguous()
     assert rel(views.call(triton_attention), case.call(eager_attention)) < 1e-5
 

@@ -1,7 +1,7 @@
 """What the test modules share (no test module imports another):
 
-- ``attention``: ``AttentionCase``, the named record of one ``rel_attention`` call's inputs, the
-  random case builder, the eager/Triton calls and the gradients the tests compare;
+- ``attention``: the random builder of ``rel_attention`` calls (``bench.cases.OpCall``, the record
+  the benchmarks build too), the eager/Triton calls and the gradients the tests compare;
 - ``reference``: float64 references written from the original XLNet (the literal ``rel_shift``
   attention, the original ``_local_perm``);
 - ``compare``: the relative error every comparison uses;

@@ -1,84 +1,33 @@
-"""Attention test cases as named records, the backends' calls, and the gradients the tests compare."""
+"""Attention test inputs on top of ``bench.cases.OpCall`` (the record of one op call, shared with the
+benchmarks): the random builder of every argument form the op takes, the backends' calls, and the
+gradients the tests compare."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 from torch import Tensor
 
+from bench.cases import ARG_NAMES, GRAD_NAMES, OpCall
 from xlnet_fast import INT32_MIN, rel_attention
 
 F64 = torch.float64
-ARG_NAMES = ("q", "k", "v", "k_r", "r_w_bias", "r_r_bias")  # rel_attention's positional arguments
-GRAD_NAMES = ARG_NAMES + ("r_s_bias", "seg_embed")  # its differentiable inputs, in grads()' order
+__all__ = ["ARG_NAMES", "F64", "GRAD_NAMES", "OpCall", "draw_query_rows", "eager_attention", "grads", "make_case",
+           "seq_first_views", "triton_attention"]
 
 eager_attention = functools.partial(rel_attention, backend="eager")
 triton_attention = functools.partial(rel_attention, backend="triton")
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionCase:
-    """The inputs of one ``rel_attention`` call; a keyword left at None is not passed.
-
-    Shapes: ``q (B, M, H, D)``; ``k, v (B, K, H, D)``, ``K = mlen + qlen``; ``k_r (Br, R, H, D)``;
-    biases ``(H, D)``; ``seg_embed (2, H, D)``; ``q_seg, q_rank, q_pos (B, M)``; ``k_seg, k_rank
-    (B, K)``; ``attn_mask (B, M, K)``.
-    """
-
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    k_r: Tensor
-    r_w_bias: Tensor
-    r_r_bias: Tensor
-    qlen: int
-    self_visible: bool = True
-    q_pos: Tensor | None = None
-    r_s_bias: Tensor | None = None
-    seg_embed: Tensor | None = None
-    q_seg: Tensor | None = None
-    k_seg: Tensor | None = None
-    attn_mask: Tensor | None = None
-    q_rank: Tensor | None = None
-    k_rank: Tensor | None = None
-
-    def args(self) -> list[Tensor]:
-        """The positional arguments, in ARG_NAMES order."""
-        return [getattr(self, name) for name in ARG_NAMES]
-
-    def kwargs(self) -> dict:
-        """The keyword arguments that are set (not None)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ARG_NAMES and getattr(self, f.name) is not None}
-
-    def call(self, fn, **options):
-        """``fn(*args, **kwargs, **options)``: rel_attention, a backend, or the reference."""
-        return fn(*self.args(), **self.kwargs(), **options)
-
-    def replace(self, **changes) -> AttentionCase:
-        return dataclasses.replace(self, **changes)
-
-    def to(self, device=None, dtype=None) -> AttentionCase:
-        """Floating-point tensors cast to ``dtype``, then every tensor moved to ``device``."""
-        def move(value):
-            if not torch.is_tensor(value):
-                return value
-            if dtype is not None and value.is_floating_point():
-                value = value.to(dtype)
-            return value if device is None else value.to(device)
-
-        return self.replace(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
-
-    def seq_first_views(self) -> AttentionCase:
-        """q, k, v, k_r as transformers keeps them: ``(len, B, H, D)`` tensors seen as ``(B, len, H, D)``."""
-        return self.replace(**{name: getattr(self, name).transpose(0, 1).contiguous().transpose(0, 1)
-                               for name in ("q", "k", "v", "k_r")})
+def seq_first_views(case: OpCall) -> OpCall:
+    """q, k, v, k_r as transformers keeps them: ``(len, B, H, D)`` tensors seen as ``(B, len, H, D)``."""
+    return case.replace(**{name: getattr(case, name).transpose(0, 1).contiguous().transpose(0, 1)
+                           for name in ("q", "k", "v", "k_r")})
 
 
 def make_case(B=2, M=5, H=2, D=4, mlen=3, qlen=None, Br=1, R=None, seg=True, mask=None,
-              self_visible=True, q_pos=None, dtype=F64, seed=0) -> AttentionCase:
+              self_visible=True, q_pos=None, dtype=F64, seed=0) -> OpCall:
     """Random inputs for one call: ``M`` query rows, ``mlen`` memory keys, ``R`` rows of k_r
     (default ``K + qlen``); ``seg`` adds the segment term; ``mask`` is None, ``"dense"`` (attn_mask)
     or ``"rank"`` (q_rank/k_rank, memory always visible); ``q_pos`` picks the query rows."""
@@ -90,8 +39,8 @@ def make_case(B=2, M=5, H=2, D=4, mlen=3, qlen=None, Br=1, R=None, seg=True, mas
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=F64).to(dtype)
 
-    case = AttentionCase(rnd(B, M, H, D), rnd(B, K, H, D), rnd(B, K, H, D), rnd(Br, R, H, D), rnd(H, D), rnd(H, D),
-                         qlen=qlen, self_visible=self_visible, q_pos=q_pos)
+    case = OpCall(rnd(B, M, H, D), rnd(B, K, H, D), rnd(B, K, H, D), rnd(Br, R, H, D), rnd(H, D), rnd(H, D),
+                  qlen=qlen, self_visible=self_visible, q_pos=q_pos)
     if seg:
         k_seg = torch.randint(0, 3, (B, K), generator=g)
         k_seg[:, :mlen] = 0
@@ -116,7 +65,7 @@ def draw_query_rows(g: torch.Generator, B: int, qlen: int, targets: bool) -> tup
     return torch.randint(-1, qlen, (B, M), generator=g), M
 
 
-def grads(fn, case: AttentionCase, dout: Tensor):
+def grads(fn, case: OpCall, dout: Tensor):
     """``fn``'s output on ``case`` and the gradients of ``(out * dout).sum()`` with respect to each
     differentiable input that is set, in GRAD_NAMES order (zeros where the output does not depend on it)."""
     leaves = {name: getattr(case, name).detach().clone().requires_grad_()

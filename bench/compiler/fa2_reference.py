@@ -22,15 +22,29 @@ ROLES = {"_fa2_fwd": "fwd", "_fa2_bwd_kv": "dkdv", "_fa2_bwd_q": "dq"}
 
 
 @triton.jit
+def _batch_head(H):
+    """The (batch, head) of this program: grid axis 1 runs over B * H."""
+    pid_bh = tl.program_id(1)
+    return pid_bh // H, pid_bh % H
+
+
+@triton.jit
+def _probabilities(q_tile, k_tile, lse, cols, N, qk_scale):
+    """The softmax probabilities of one (query tile, key tile) from the forward's row log-sum-exp
+    (natural log), 0 at the key columns past ``N``."""
+    s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale
+    prob = tl.exp2(s - lse[:, None] * LOG2E_C)
+    return tl.where((cols < N)[None, :], prob, 0.0)
+
+
+@triton.jit
 def _fa2_fwd(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
              stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
              stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
              H, M, N, D, qk_scale,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -68,9 +82,7 @@ def _fa2_bwd_kv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dK, dV of one key tile; q/dO share strides, and so do k/v/dk/dv."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(H)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -90,9 +102,7 @@ def _fa2_bwd_kv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
         do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
         lse = tl.load(lse_ptr + stats_base + rows, mask=rows < M, other=float("inf"))
         delta = tl.load(delta_ptr + stats_base + rows, mask=rows < M, other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale
-        prob = tl.exp2(s - lse[:, None] * LOG2E_C)
-        prob = tl.where((cols < N)[None, :], prob, 0.0)
+        prob = _probabilities(q_tile, k_tile, lse, cols, N, qk_scale)
         dv += tl.dot(tl.trans(prob.to(do.dtype)), do)
         dp = tl.dot(do, tl.trans(v_tile))
         ds = prob * (dp - delta[:, None])
@@ -108,9 +118,7 @@ def _fa2_bwd_q(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dQ of one query tile; q/dO/dq share strides, and so do k/v."""
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = _batch_head(H)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -128,9 +136,7 @@ def _fa2_bwd_q(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         kv_mask = (cols < N)[:, None] & d_ok[None, :]
         k_tile = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v_tile = tl.load(v_base + cols[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile)) * qk_scale
-        prob = tl.exp2(s - lse[:, None] * LOG2E_C)
-        prob = tl.where((cols < N)[None, :], prob, 0.0)
+        prob = _probabilities(q_tile, k_tile, lse, cols, N, qk_scale)
         dp = tl.dot(do, tl.trans(v_tile))
         ds = prob * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_tile.dtype), k_tile)

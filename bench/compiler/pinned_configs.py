@@ -3,10 +3,11 @@ BLOCK_M x BLOCK_N, warps, stages; the configs are ``kernels/rel_attention.CANDID
 
 ``pinned(names)`` is a context manager: inside it the autotuners only know those configs (one
 config: no tuning at all), their tuning caches are emptied, and both are restored after. The
-campaign checks each config's numbers with it. As a pytest plugin (``-p bench.pinned_configs``
+campaign checks each config's numbers with it. As a pytest plugin (``-p bench.compiler.pinned_configs``
 with ``$BENCH_PINNED_CONFIGS=64x64w4s1``) it pins the kernels for a whole test run on a GPU, so that
 the suite compiles one binary per kernel variant instead of tuning every config at every test shape
-(nothing happens without the variable, nor without CUDA).
+(nothing happens without the variable, nor without CUDA). ``TuningLog`` lists what the autotuners
+chose as they tune (the campaign records it).
 """
 
 from __future__ import annotations
@@ -90,3 +91,32 @@ def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
 
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         _pin(names.split(","))
+
+
+class TuningLog:
+    """The autotuners' choices as they are made. ``new(context)`` lists one record per key tuned
+    since the last call: the kernel, the key's fields, the winning config and, when exactly one key
+    was tuned since the last call (the timings then are that key's), every config's median ms."""
+
+    def __init__(self, kernels: dict | None = None):
+        self.kernels = tuned_kernels() if kernels is None else kernels
+        self.seen: dict = {name: set() for name in self.kernels}
+        self.timings_seen: dict = {}
+
+    def new(self, context: str) -> list[dict]:
+        out = []
+        for name, tuner in self.kernels.items():
+            keys = [key for key in tuner.cache if key not in self.seen[name]]
+            timings = getattr(tuner, "configs_timings", None)
+            fresh = timings is not None and timings is not self.timings_seen.get(name)
+            per_config = ({config_name(c): (t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
+                          if fresh and len(keys) == 1 else None)
+            for key in keys:
+                self.seen[name].add(key)
+                fields = {n: (v if isinstance(v, (int, float, bool, str)) else str(v)) for n, v in zip(tuner.keys, key)}
+                fields["dtypes"] = sorted(set(map(str, key[len(tuner.keys):])))
+                out.append({"kernel": name, "context": context, "key": fields, "best": config_name(tuner.cache[key]),
+                            "timings_ms": per_config})
+            if fresh:
+                self.timings_seen[name] = timings
+        return out

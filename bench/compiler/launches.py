@@ -1,0 +1,369 @@
+"""The compile report's launches: the op's scenarios, the Triton launches they make for an arch,
+each distinct binary compiled and analysed (``aot``, ``sass``), and cached.
+
+Per iteration: the key loop's own instructions, each once, plus its nested loops once each (static
+counts; ``key_loop.nested_loops`` lists their sizes). With the scenarios here (content and
+two-stream rows, every tile banded) the kernels' only nested source loop, the deterministic dk_r
+kernel's k_r window loop, runs exactly once per key tile (a banded tile's rows span < BLOCK_M <=
+BLOCK_N positions, which one window of 2*BLOCK_N rows covers; replaying the launches in triton's
+interpreter counted 1.00 too); on sm_100 the other nested loops are 2-instruction mbarrier waits.
+Per score element: per-iteration count x threads / (BLOCK_M x BLOCK_N).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import math
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from bench import cases, runner
+from bench.compiler import aot, sass
+from bench.compiler.targets import REFERENCE_ROLE, launchability, number
+
+ROLES = ("fwd", "dkdv", "dq", "dkr")
+CACHE = "compile_report_cache"  # analysed binaries, in the cache directory
+# Seconds one worker takes per binary, compile + ptxas + nvdisasm (measured with triton 3.6: the
+# full matrix, 1,154 binaries, in 19 minutes on 2 workers).
+SECONDS_PER_COMPILE = 2
+COUNTED = ("inst", "mma", "shfl", "lds", "sts", "ldl", "stl", "ldg", "stg", "bar", "mufu")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp32-tf32": torch.float32}  # --dtype
+
+# --------------------------------------------------------------------------------------------------
+# Scenarios: the only code that knows the op's arguments
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One realistic call of the op: XLNet-large width (H*D = 1024), bf16, ranks + segments, memory."""
+
+    D: int
+    stream: str  # "content" or "two-stream" (content rows + target rows in one launch)
+    dropout: bool
+    deterministic: bool
+    dtype: str = "bf16"  # "bf16", "fp32" (torch's default: TF32 off, the kernels' tf32x3) or "fp32-tf32"
+    batch: int = 16
+    qlen: int = 512
+    mlen: int = 384
+    targets: int = 85
+
+    @property
+    def heads(self) -> int:
+        return 1024 // self.D
+
+    @property
+    def label(self) -> str:
+        return "+".join([self.stream] + (["dropout"] * self.dropout) + (["det"] * self.deterministic)
+                        + ([self.dtype] if self.dtype != "bf16" else []))
+
+
+def attention_case(case: Case) -> cases.AttentionCase:
+    """The op's inputs for the scenario: pretraining ranks (the targets last in the order)."""
+    return cases.AttentionCase(B=case.batch, H=case.heads, qlen=case.qlen, mlen=case.mlen, D=case.D,
+                               dtype=DTYPES[case.dtype], targets=case.targets, two_stream=case.stream == "two-stream",
+                               ranks="pretraining")
+
+
+def op_calls(case: Case, device: str = "meta") -> list:
+    """THE SCENARIO BUILDER. ``[(phase, call)]``: calls of the op's launch code (forward, then
+    backward) on the inputs ``bench.cases`` builds for the scenario, on ``device`` ("meta": compile
+    only). Adapt this function, and only it, when the launch code's arguments change."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+
+    inputs = cases.attention_inputs(attention_case(case), device)
+    floats, index = inputs.floats, inputs.index
+    B, L = case.batch, case.qlen
+    q_seg, q_rank, q_pos = index["q_seg"], index["q_rank"], None
+    if case.stream == "two-stream":  # as ops.rel_attention_two_stream concatenates
+        target_pos = index["target_pos"]
+        q = torch.cat([floats["q_h"], floats["q_g"]], 1)
+        q_pos = torch.cat([torch.arange(L, device=device).expand(B, L), target_pos], 1)
+        q_seg = torch.cat([q_seg, q_seg.gather(1, target_pos)], 1)
+        q_rank = torch.cat([q_rank, q_rank.gather(1, target_pos)], 1)
+    else:
+        q = floats["q"]
+    dropout_p, seed = 0.0, None
+    if case.dropout:
+        dropout_p = 0.1
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
+    args = AttnArgs(r_s_bias=floats["r_s_bias"], seg_embed=floats["seg_embed"], q_seg=q_seg, k_seg=index["k_seg"],
+                    attn_mask=None, q_rank=q_rank, k_rank=index["k_rank"], q_pos=q_pos, qlen=L, self_rows=L,
+                    scale=1.0 / math.sqrt(case.D), dropout_p=dropout_p, seed=seed,
+                    rows_cover_qlen=case.stream == "two-stream")  # as ops.rel_attention_two_stream says
+    saved = {}
+    k, v, k_r, r_w_bias, r_r_bias = (floats[n] for n in ("k", "v", "k_r", "r_w_bias", "r_r_bias"))
+
+    def forward():
+        with _tf32(case.dtype == "fp32-tf32"):
+            saved["out"], saved["lse"] = kernels.forward(q, k, v, k_r, r_w_bias, r_r_bias, args)
+
+    def backward():
+        with _tf32(case.dtype == "fp32-tf32"):
+            kernels.backward(cases.random_like(q, seed=1), q, k, v, k_r, r_w_bias, r_r_bias, args, saved["out"],
+                             saved["lse"], deterministic=case.deterministic)
+
+    return [("forward", forward), ("backward", backward)]
+
+
+@contextlib.contextmanager
+def _tf32(allowed: bool):
+    """torch's switch for TF32 matmuls, which the launcher follows for fp32 inputs
+    (``kernels.fp32_precision``)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def reference_calls(case: Case, tiles: dict) -> list:
+    """``[(phase, call)]`` of the FlashAttention-2 reference at the case's B, H, D and lengths
+    (qlen queries, mlen + qlen keys), bf16, meta tensors; ``tiles``: BLOCK_M, BLOCK_N and launch
+    options (num_warps, num_stages, maxnreg)."""
+    from bench.compiler import fa2_reference
+
+    B, H, D, M, N = case.batch, case.heads, case.D, case.qlen, case.qlen + case.mlen
+
+    def t(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    q, k, v = t(B, M, H, D), t(B, N, H, D), t(B, N, H, D)
+    scale = 1.0 / math.sqrt(D)
+    return [("forward", lambda: fa2_reference.forward(q, k, v, scale, **tiles)),
+            ("backward", lambda: fa2_reference.backward(t(B, M, H, D), q, k, v, t(B, M, H, D),
+                                                        t(B, H, M, dtype=torch.float32), scale, **tiles))]
+
+
+# --------------------------------------------------------------------------------------------------
+# Capture
+# --------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _roles_from_pruning(recorder: aot.Recorder):
+    """Label each launch with the role (and candidate list) the launch code asked
+    ``rel_attention.configs_for`` for just before it (``kernels._run`` under ``compiling_for``, or an
+    autotuner's pruning)."""
+    from xlnet_fast.kernels import rel_attention
+
+    configs_for = rel_attention.configs_for
+
+    def spy(arch, head_dim, role):
+        configs = configs_for(arch, head_dim, role)
+        recorder.labels.update(role=role, candidates=[rel_attention.config_name(c) for c in configs])
+        return configs
+
+    rel_attention.configs_for = spy
+    try:
+        yield
+    finally:
+        rel_attention.configs_for = configs_for
+
+
+def capture(calls, arch: int) -> list:
+    """The launches the calls make for a GPU of ``arch``, each tagged with its phase."""
+    from xlnet_fast.kernels import rel_attention
+
+    with aot.capture_launches() as recorder, rel_attention.compiling_for(arch), _roles_from_pruning(recorder):
+        for phase, call in calls:
+            recorder.phase = phase
+            call()
+    if not recorder.launches:
+        raise RuntimeError("no Triton launch was recorded: were the kernels imported with TRITON_INTERPRET=1?")
+    return recorder.launches
+
+
+def launch_config(launch: aot.Launch) -> triton.Config:
+    """The launch's tiles and options as a ``triton.Config`` (the autotuner's, when autotuned)."""
+    if launch.config is not None:
+        return launch.config
+    k = launch.kwargs
+    return triton.Config({"BLOCK_M": k.get("BLOCK_M"), "BLOCK_N": k.get("BLOCK_N")}, num_warps=k.get("num_warps", 4),
+                         num_stages=k.get("num_stages", 3), maxnreg=k.get("maxnreg"))
+
+
+def config_name(launch: aot.Launch) -> str:
+    from xlnet_fast.kernels import rel_attention
+
+    return rel_attention.config_name(launch_config(launch))
+
+
+def _flags(launch: aot.Launch) -> dict:
+    def plain(value):
+        return value if isinstance(value, (bool, int, float, str)) or value is None else str(value)
+
+    return {k: plain(v) for k, v in sorted(launch.constexprs().items()) if k not in ("BLOCK_M", "BLOCK_N")}
+
+
+@dataclass
+class Task:
+    """One binary to compile: a launch for an arch, and what the report says about it."""
+
+    arch: int
+    launch: aot.Launch
+    key: str  # aot.compile_key
+    info: dict  # the record's fields known before compiling
+
+
+def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> list:
+    """One task per distinct binary the scenarios' launches make on ``arch``."""
+    tasks: dict = {}
+    for case in scenarios:
+        for launch in capture(op_calls(case), arch):
+            name, labels = config_name(launch), launch.labels
+            if "role" not in labels:
+                raise RuntimeError(f"{launch.name} was launched without asking rel_attention.configs_for for "
+                                   "its candidates: no role to report it under")
+            candidate = labels["candidates"].index(name) if name in labels["candidates"] else None
+            if (configs and name not in configs) or (first_only and candidate != 0):
+                continue
+            key = aot.compile_key(launch, arch)
+            if key in tasks:
+                tasks[key].info["scenarios"].append(case.label)
+                continue
+            tasks[key] = Task(arch, launch, key, {
+                "arch": arch, "kernel": launch.name, "role": labels["role"], "candidate": candidate, "D": case.D,
+                "dtype": case.dtype, "scenarios": [case.label], "flags": _flags(launch), "config": name})
+    return list(tasks.values())
+
+
+def reference_tasks(op: list) -> list:
+    """The FlashAttention-2 reference of each op task's reference role at its arch, D and config."""
+    from bench.compiler import fa2_reference
+
+    wanted = {(t.arch, t.info["D"], t.info["config"], REFERENCE_ROLE[t.info["role"]]): t for t in op
+              if t.info["dtype"] == "bf16"}  # the reference is bf16 only
+    tasks, launches = [], {}
+    for (arch, D, name, role), task in sorted(wanted.items(), key=lambda item: item[0]):
+        config = launch_config(task.launch)
+        tiles = {k: v for k, v in config.all_kwargs().items()
+                 if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")}
+        if (arch, D, name) not in launches:
+            launches[(arch, D, name)] = capture(reference_calls(Case(D, "content", False, False), tiles), arch)
+        for launch in launches[(arch, D, name)]:
+            if fa2_reference.ROLES[launch.name] == role:
+                tasks.append(Task(arch, launch, aot.compile_key(launch, arch), {
+                    "arch": arch, "kernel": launch.name, "role": role, "D": D, "scenarios": ["reference"],
+                    "flags": _flags(launch), "config": name}))
+    return tasks
+
+
+# --------------------------------------------------------------------------------------------------
+# Compile and count
+# --------------------------------------------------------------------------------------------------
+
+
+def analyse(task: Task) -> dict:
+    """What compiling the task's launch gives (``error`` if it fails): registers, spills, memory,
+    MMA kind, key-loop counts."""
+    launch, arch = task.launch, task.arch
+    config = launch_config(launch)
+    bm, bn, warps = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps
+    try:
+        compiled = aot.compile_launch(launch, arch)
+    except Exception as exc:  # noqa: BLE001 - one failed compile is a row of the report
+        return {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+    code = sass.parse(compiled.sass)
+    out = {
+        "regs": compiled.regs, "spill_bytes": compiled.spill_store_bytes + compiled.spill_load_bytes,
+        "spill_store_bytes": compiled.spill_store_bytes, "spill_load_bytes": compiled.spill_load_bytes,
+        "stack_bytes": compiled.stack_bytes, "smem_bytes": compiled.smem_bytes, "tmem_columns": compiled.tmem_columns,
+        "mma": code.mma_kind(), "threads": warps * 32,
+    }
+    key_loop = code.key_loop()
+    if key_loop is None:
+        return {**out, "key_loop": None, "per_iteration": None, "inst_per_score": None}
+    counts = sass.per_iteration(key_loop, lambda loop: 1)  # static: nested loops once
+    nested = [len(loop.own) for loop in key_loop.descendants()]  # instructions of each nested loop
+    return {**out, "key_loop": {"address": hex(key_loop.head), "nested_loops": nested},
+            "per_iteration": {name: counts.get(name, 0) for name in COUNTED},
+            "inst_per_score": round(counts["inst"] * warps * 32 / (bm * bn), 2)}
+
+
+def _analysis_version() -> str:
+    """Changes when the code that reads binaries does (the cache's validity)."""
+    source = inspect.getsource(analyse) + inspect.getsource(aot) + inspect.getsource(sass)
+    return hashlib.sha256(f"{triton.__version__}\n{source}".encode()).hexdigest()[:16]
+
+
+def _cache_path(task: Task, version: str) -> Path:
+    return runner.cache_dir() / CACHE / (hashlib.sha256(f"{version}\n{task.key}".encode()).hexdigest() + ".json")
+
+
+_TASKS: list = []  # what forked workers read (a Launch holds a JITFunction: not picklable)
+
+
+def _analyse_index(i: int) -> tuple:
+    return i, analyse(_TASKS[i])
+
+
+def compile_all(tasks: list, jobs: int, use_cache: bool = True) -> list:
+    """Records of the tasks (cached ones read back), compiled by ``jobs`` forked workers."""
+    version = _analysis_version()
+    results: dict = {}
+    for i, task in enumerate(tasks):
+        path = _cache_path(task, version)
+        if use_cache and path.exists():
+            with contextlib.suppress(OSError, ValueError):
+                results[i] = json.loads(path.read_text())
+    todo = [i for i in range(len(tasks)) if i not in results]
+    log(f"{len(tasks)} binaries, {len(tasks) - len(todo)} in the cache ({runner.cache_dir() / CACHE}): compiling "
+        f"{len(todo)} with {jobs} worker(s), about {runner.duration(len(todo) * SECONDS_PER_COMPILE / jobs)} "
+        f"at ~{SECONDS_PER_COMPILE} s a binary")
+    started = time.perf_counter()
+
+    def done(i, result):
+        results[i] = result
+        if "error" not in result:
+            runner.write_json(_cache_path(tasks[i], version), result)
+        log(f"[{len(results) - (len(tasks) - len(todo))}/{len(todo)} {time.perf_counter() - started:.0f} s] "
+            + row(launchability({**tasks[i].info, **result})))
+
+    global _TASKS
+    _TASKS = tasks
+    try:
+        if jobs <= 1 or len(todo) <= 1:
+            for i in todo:
+                done(*_analyse_index(i))
+        else:  # fork: the workers inherit the captured launches; the parent compiles nothing
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                for i, result in pool.imap_unordered(_analyse_index, todo):
+                    done(i, result)
+    finally:
+        _TASKS = []
+    return [launchability({**task.info, **results[i]}) for i, task in enumerate(tasks)]
+
+
+def log(message: str) -> None:
+    """Progress (stderr: stdout carries the report)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def row(r: dict) -> str:
+    """One binary's row of the table (``ROW_HEADER``)."""
+    head = [f"sm_{r['arch']}", r["kernel"], ",".join(r.get("scenarios", [])), str(r["D"]), r["config"]]
+    if r.get("error"):
+        return " | ".join(head + ["ERROR " + r["error"]])
+    it, n = r.get("per_iteration") or {}, number
+    smem = f"{r['smem_bytes']}" + ("" if r["launchable"] else " (no launch)")
+    return " | ".join(head + [
+        str(r["regs"]), f"{r['spill_store_bytes']}+{r['spill_load_bytes']}", smem, n(r.get("tmem_columns")),
+        r["mma"], n(it.get("inst")), n(it.get("mma")), n(it.get("shfl")), f"{n(it.get('lds'))}/{n(it.get('sts'))}",
+        f"{n(it.get('ldl'))}/{n(it.get('stl'))}", n(r.get("inst_per_score"), "{:.1f}"),
+        n(r.get("ratio_to_reference"), "{:.2f}"), n(r.get("dropout_overhead"), "{:.2f}")])
+
+
+ROW_HEADER = ("arch", "kernel", "scenarios", "D", "config", "regs", "spill B (st+ld)", "smem B", "TMEM", "mma",
+           "inst/it", "MMA/it", "SHFL/it", "LDS/STS it", "LDL/STL it", "inst/score", "x ref", "x no-dropout")
