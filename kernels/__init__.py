@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
 from .contract import (E_DELTA, E_FIELDS, E_SAME, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
                        MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK,
                        ROW_SEG, ROW_SRC, interpreting)
