@@ -7,7 +7,8 @@ importing ``xlnet_fast`` must leave that to the first kernel call. Nor can ``xln
 finding ``xlnet_fast.kernels`` at all: a source checkout that is not installed maps ``kernels/``
 there only later (``bench.source_tree``). The contract imports nothing but the standard library, so
 it is loaded from its file alone and registered under its own name: the kernels' ``from . import
-contract`` then finds this very module (one definition of every value).
+contract`` then finds this very module (one definition of every value), and so does an import of
+``xlnet_fast.kernels.contract``, without importing ``xlnet_fast.kernels``.
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ NAME = "xlnet_fast.kernels.contract"
 
 def _load():
     kernels = importlib.util.find_spec("xlnet_fast.kernels")
-    # not findable: a source checkout without the xlnet_fast/kernels link, whose kernels/ is beside us
+    # not findable: a source checkout without the xlnet_fast/kernels link; kernels/ is beside xlnet_fast/
     folder = Path(kernels.submodule_search_locations[0]) if kernels else Path(__file__).parents[1] / "kernels"
     spec = importlib.util.spec_from_file_location(NAME, folder / "contract.py")
     module = importlib.util.module_from_spec(spec)
