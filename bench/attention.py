@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import warnings
 
 import torch
 
 from bench import cases, runner
+from xlnet_fast.kernel_contract import contract
 
 RECORDS = "attention.json"
 PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
@@ -278,7 +278,7 @@ def unavailable(provider: str, mode: str, device: str) -> str | None:
         return "needs CUDA (the flash backend)"
     if provider == "flex" and mode == "fwd_bwd":
         return "needs CUDA (FlexAttention has no backward on CPU)"
-    if provider in ("xlnet_fast", "xlnet_fast_det", "fa2_ref") and os.environ.get("TRITON_INTERPRET") != "1":
+    if provider in ("xlnet_fast", "xlnet_fast_det", "fa2_ref") and not contract.interpreting():
         return "needs CUDA (or Triton's interpreter)"
     return None
 

@@ -63,6 +63,7 @@ import torch
 from bench import (attention, campaign_report, cases, generation, gpu_check, memory_reuse, plot, pretrain_step,
                    runner, source_tree)
 from bench.compiler import pinned_configs
+from xlnet_fast.kernel_contract import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS_FILE, LOG_FILE, SUMMARY_FILE = "campaign.jsonl", "campaign.log", "summary.md"
@@ -264,15 +265,16 @@ def _free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+def _untuned() -> bool:
+    """The kernels run in Triton's interpreter at fixed tiles, or not at all (no GPU): nothing is tuned."""
+    return contract.interpreting() or not torch.cuda.is_available()
 
 
 class _Tuning:
     """Emits an ``autotune`` record for each shape the kernels' autotuners tuned (``TuningLog``)."""
 
     def __init__(self, r: Reporter):
-        self.r, self.log = r, None if _interpreting() else pinned_configs.TuningLog()
+        self.r, self.log = r, None if _untuned() else pinned_configs.TuningLog()
 
     def look(self, context: str) -> None:
         for rec in self.log.new(context) if self.log else []:
@@ -421,7 +423,7 @@ def step_correctness(r: Reporter, plan: Plan) -> None:
         _free(r.device)
     tuning.flush("correctness")
     name, case = plan.config_check
-    if _interpreting():
+    if _untuned():
         r.skipped("xlnet_attn_check", "the interpreter runs fixed tiles: no config to pin", case=name, config="each")
         return
     for config in r.each(pinned_configs.all_config_names(), str, "xlnet_attn_check"):

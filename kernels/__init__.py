@@ -7,11 +7,12 @@ The backend interface used by ``xlnet_fast.attention``: ``available()``, ``check
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from xlnet_fast.masks import INT32_MAX, INT32_MIN  # absolute: transformers may import this folder as `kernels`
+from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
+from .contract import (E_DELTA, E_FIELDS, E_SAME, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
+                       MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK,
+                       ROW_SEG, ROW_SRC, interpreting)
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -48,10 +49,6 @@ def _keep_scale(dropout_p: float) -> float:
     return 1.0 / (1.0 - dropout_threshold(dropout_p) / 256)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_r: torch.Tensor) -> None:
     """Raise ``ValueError`` for inputs the kernels do not handle (called before any launch)."""
     if q.dtype not in SUPPORTED_DTYPES:
@@ -65,7 +62,7 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_r: torc
 def _dot_dtype(dtype: torch.dtype):
     import triton.language as tl
 
-    if dtype == torch.bfloat16 and _interpreting():
+    if dtype == torch.bfloat16 and interpreting():
         # triton's CPU interpreter computes bf16 dots wrongly (numpy has no bf16): use fp32
         # operands there; on a GPU the dots take bf16 operands with fp32 accumulation.
         return tl.float32
@@ -82,7 +79,7 @@ def fp32_precision() -> str:
 
 
 def _input_precision(dtype: torch.dtype) -> str:
-    if dtype != torch.float32 or _interpreting():
+    if dtype != torch.float32 or interpreting():
         return "ieee"  # 16-bit inputs multiply exactly; the interpreter computes in numpy
     return fp32_precision()
 
@@ -97,7 +94,7 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     its position, padding rows last, repeating the last real position, with rank INT32_MIN) so
     that tiles are banded. Also whether every tile is banded by construction: the content stream
     (row i at position i) and launches whose rows cover every position (two-stream)."""
-    rows = torch.zeros((B, M, int(_k.ROW_FIELDS)), dtype=torch.int32, device=device)
+    rows = torch.zeros((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
     own = (caller < a.self_rows).long()
     if a.q_pos is None:
@@ -111,31 +108,32 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     p_sorted, own_sorted = take(pos), take(own)
     real = p_sorted >= 0
     last_real = p_sorted.cummax(dim=1).values.clamp(min=0)
-    rows[..., int(_k.ROW_CODE)] = torch.where(real, p_sorted * 2 + own_sorted, last_real * 2).to(torch.int32)
+    code = torch.where(real, (p_sorted << ROW_POS_SHIFT) | own_sorted * ROW_OWN_KEY, last_real << ROW_POS_SHIFT)
+    rows[..., ROW_CODE] = code.to(torch.int32)
     if a.q_seg is not None:
-        rows[..., int(_k.ROW_SEG)] = take(a.q_seg.long()).to(torch.int32)
+        rows[..., ROW_SEG] = take(a.q_seg.long()).to(torch.int32)
     # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
-    rows[..., int(_k.ROW_RANK)] = torch.where(real, rank, INT32_MIN).to(torch.int32)
-    rows[..., int(_k.ROW_SRC)] = order.to(torch.int32)
+    rows[..., ROW_RANK] = torch.where(real, rank, INT32_MIN).to(torch.int32)
+    rows[..., ROW_SRC] = order.to(torch.int32)
     return rows, a.q_pos is None or a.rows_cover_qlen
 
 
 def _keys_table(a, B: int, K: int, device) -> torch.Tensor:
     """(B, KEY_FIELDS, K padded to KEY_PAD) int32: segment id and rank of each key, one row per field;
     the padding keys have rank INT32_MAX (never visible), the real ones -1 without a rank mask."""
-    padded = triton.cdiv(K, int(_k.KEY_PAD)) * int(_k.KEY_PAD)
-    keys = torch.zeros((B, int(_k.KEY_FIELDS), padded), dtype=torch.int32, device=device)
-    keys[:, int(_k.KEY_RANK), K:] = INT32_MAX
-    keys[:, int(_k.KEY_RANK), :K] = a.k_rank if a.k_rank is not None else -1
+    padded = triton.cdiv(K, KEY_PAD) * KEY_PAD
+    keys = torch.zeros((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
+    keys[:, KEY_RANK, K:] = INT32_MAX
+    keys[:, KEY_RANK, :K] = a.k_rank if a.k_rank is not None else -1
     if a.k_seg is not None:
-        keys[:, int(_k.KEY_SEG), :K] = a.k_seg.to(torch.int32)
+        keys[:, KEY_SEG, :K] = a.k_seg.to(torch.int32)
     return keys
 
 
 def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the query operands the launcher prepares (the kernels' dot operands)."""
-    return torch.float32 if dtype == torch.bfloat16 and _interpreting() else dtype
+    return torch.float32 if dtype == torch.bfloat16 and interpreting() else dtype
 
 
 def _in_row_order(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -151,20 +149,20 @@ def _query_operands(q, r_w_bias, r_r_bias, a, rows) -> dict:
     E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) * scale * log2(e)`` dotted with
     ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
     B, M, H, D = q.shape
-    real = (rows[..., int(_k.ROW_RANK)] != INT32_MIN)[:, :, None, None]
-    q_rows = torch.where(real, _in_row_order(q, rows[..., int(_k.ROW_SRC)].long()).float(), 0.0)
-    qk_scale = a.scale * _k.LOG2E_VALUE
+    real = (rows[..., ROW_RANK] != INT32_MIN)[:, :, None, None]
+    q_rows = torch.where(real, _in_row_order(q, rows[..., ROW_SRC].long()).float(), 0.0)
+    qk_scale = a.scale * LOG2E
     dot = _dot_torch_dtype(q.dtype)
 
     def operand(bias):
         return ((q_rows + bias.float()) * qk_scale).to(dot).transpose(1, 2).contiguous()
 
-    e = torch.zeros((B, H, M, int(_k.E_FIELDS)), dtype=torch.float32, device=q.device)
+    e = torch.zeros((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
     if a.seg_embed is not None:
         q_s = (q_rows + a.r_s_bias.float()) * qk_scale
         seg = a.seg_embed.float()
-        e[..., int(_k.E_SAME)] = torch.einsum("bmhd,hd->bhm", q_s, seg[0])
-        e[..., int(_k.E_DELTA)] = torch.einsum("bmhd,hd->bhm", q_s, seg[1] - seg[0])
+        e[..., E_SAME] = torch.einsum("bmhd,hd->bhm", q_s, seg[0])
+        e[..., E_DELTA] = torch.einsum("bmhd,hd->bhm", q_s, seg[1] - seg[0])
     return dict(QW=operand(r_w_bias), QR=operand(r_r_bias), E=e)
 
 
@@ -189,10 +187,10 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     if a.attn_mask is not None:
         mask = a.attn_mask if a.attn_mask.stride(-1) == 1 else a.attn_mask.contiguous()
         mask = mask.view(torch.uint8)
-        masking, stride_mb, stride_mm = _k.MASK_DENSE, mask.stride(0), mask.stride(1)
+        masking, stride_mb, stride_mm = MASK_DENSE, mask.stride(0), mask.stride(1)
     else:
         mask = rows  # never read
-        masking = _k.MASK_RANKS if a.q_rank is not None else _k.MASK_NONE
+        masking = MASK_RANKS if a.q_rank is not None else MASK_NONE
         stride_mb = stride_mm = 0
     seed = int(a.seed.item()) if a.seed is not None else 0
     keep_threshold = dropout_threshold(a.dropout_p)
@@ -202,9 +200,9 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
         stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
         stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
         stride_mb=stride_mb, stride_mm=stride_mm,
-        H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * _k.LOG2E_VALUE,
+        H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * LOG2E,
         seed=seed, keep_threshold=keep_threshold,
-        SEGMENTS=a.seg_embed is not None, MASKING=int(masking), BANDED_ONLY=banded_only,
+        SEGMENTS=a.seg_embed is not None, MASKING=masking, BANDED_ONLY=banded_only,
         CHECK_R=R < K + a.qlen, DROPOUT=keep_threshold > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
         DOT_DTYPE=_dot_dtype(q.dtype), INPUT_PRECISION=_input_precision(q.dtype),
     )
@@ -222,7 +220,7 @@ def _run(role: str, grid, kwargs: dict, deterministic: bool) -> None:
     another config in another run, and with it another order of float sums); else at the
     autotuner's choice."""
     fn = _k.KERNELS[role]
-    if _interpreting():
+    if interpreting():
         fn[grid](**kwargs, **_k.INTERPRETER_TILES)
     elif _k.compile_target() is not None:  # the compile report records every candidate of its arch
         for config in _k.configs_for(_k.compile_target(), kwargs["HEAD_DIM"], role):
@@ -238,7 +236,7 @@ def _run(role: str, grid, kwargs: dict, deterministic: bool) -> None:
 
 def _smallest_tile(name: str) -> int:
     """The smallest BLOCK_M or BLOCK_N any config may pick: partial-sum tables are sized for it."""
-    if _interpreting():
+    if interpreting():
         return _k.INTERPRETER_TILES[name]
     return min(c.kwargs[name] for c in _k.all_configs())
 
@@ -271,11 +269,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     # dO, the lse and delta = rowsum(dO * O) in the kernels' row order, per (b, h): the lse in base 2
     # less the same-segment term that the recomputed scores leave out; dO times the dropout keep
     # scale (dP and dV take it: 1 / (1 - rate) applied once here, not per score)
-    src = args["ROWS"][..., int(_k.ROW_SRC)].long()
+    src = args["ROWS"][..., ROW_SRC].long()
     dout_rows = _in_row_order(dout, src).float()
     delta = (dout_rows * _in_row_order(out, src).float()).sum(-1).transpose(1, 2).contiguous()
     src_bh = src[:, None, :].expand(B, H, M)
-    lse2 = (lse.gather(2, src_bh) * _k.LOG2E_VALUE - args["E"][..., int(_k.E_SAME)]).contiguous()
+    lse2 = (lse.gather(2, src_bh) * LOG2E - args["E"][..., E_SAME]).contiguous()
     do = (dout_rows * _keep_scale(a.dropout_p)).to(args["QW"].dtype).transpose(1, 2).contiguous()
     grad_io = dict(DO=do, LSE2=lse2, DELTA=delta)
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
@@ -313,7 +311,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     if segments:
         # over keys of its own segment a row's dS sums to -g_diff; the segment term is
         # scale * (q + r_s_bias) . seg_embed[same or not]
-        real = (args["ROWS"][..., int(_k.ROW_RANK)] != INT32_MIN)[:, :, None, None]
+        real = (args["ROWS"][..., ROW_RANK] != INT32_MIN)[:, :, None, None]
         q_s = torch.where(real, _in_row_order(q, src).float() + a.r_s_bias.float(), 0.0)
         dseg_1 = scale * torch.einsum("bhm,bmhd->hd", g_diff, q_s)
         dr_s = (scale * g_diff.sum((0, 2))[:, None] * seg_delta).to(a.r_s_bias.dtype)
@@ -321,7 +319,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     else:
         dr_s = torch.zeros_like(r_w_bias)
         dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
-    dkr = (dkr / _k.LOG2E_VALUE).to(k_r.dtype)
+    dkr = (dkr / LOG2E).to(k_r.dtype)
     return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
 
 
@@ -331,7 +329,7 @@ def dropout_mask(seed: int, B: int, H: int, M: int, K: int, dropout_p: float, de
     row m (the caller's row) and key k: for tests and debugging. ``block``: the tile width it is drawn
     with (16 or a multiple of 64; the mask does not depend on it)."""
     keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
-    tile = block or (16 if _interpreting() else 64)
+    tile = block or (16 if interpreting() else 64)
     _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
         keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
     return keep.view(B, H, M, K).bool()

@@ -39,37 +39,26 @@ import contextlib
 import triton
 import triton.language as tl
 
-from xlnet_fast import masks
+from . import contract
 
-LOG2E_VALUE = 1.4426950408889634
-LOG2E = tl.constexpr(LOG2E_VALUE)
-INT32_MAX = tl.constexpr(masks.INT32_MAX)  # rank sentinels: xlnet_fast.masks
-INT32_MIN = tl.constexpr(masks.INT32_MIN)
-# Masking modes (launcher and kernels agree on these).
-MASK_NONE = tl.constexpr(0)
-MASK_DENSE = tl.constexpr(1)
-MASK_RANKS = tl.constexpr(2)
-# Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS) the launcher builds, rows sorted by
-# position with padding rows last: code = 2 * position + sees_own_key (a padding row repeats the
-# last real position, so a tile's first and last rows give its position range); segment id; rank
-# (INT32_MIN for a padding row); the caller's row.
-ROW_FIELDS = tl.constexpr(4)
-ROW_CODE = tl.constexpr(0)
-ROW_SEG = tl.constexpr(1)
-ROW_RANK = tl.constexpr(2)
-ROW_SRC = tl.constexpr(3)
-# Per-key int32 fields of the KEYS table (B, KEY_FIELDS, K padded to KEY_PAD), one row per field so
-# that a key tile's ids load as vectors: segment id; rank (keys past the end: INT32_MAX, never
-# visible; so key tiles load it unmasked).
-KEY_PAD = tl.constexpr(128)
-KEY_FIELDS = tl.constexpr(2)
-KEY_SEG = tl.constexpr(0)
-KEY_RANK = tl.constexpr(1)
-# Per-row fp32 segment scores of the E table (B, H, M, E_FIELDS), rows in ROWS order:
-# (q + r_s_bias) . seg_embed[0] and (q + r_s_bias) . (seg_embed[1] - seg_embed[0]), scaled like q.
-E_FIELDS = tl.constexpr(2)
-E_SAME = tl.constexpr(0)
-E_DELTA = tl.constexpr(1)
+# The values the launcher shares (contract.py, where the table fields are described) as constexprs.
+LOG2E = tl.constexpr(contract.LOG2E)
+INT32_MIN = tl.constexpr(contract.INT32_MIN)
+MASK_DENSE = tl.constexpr(contract.MASK_DENSE)
+ROW_FIELDS = tl.constexpr(contract.ROW_FIELDS)
+ROW_CODE = tl.constexpr(contract.ROW_CODE)
+ROW_SEG = tl.constexpr(contract.ROW_SEG)
+ROW_RANK = tl.constexpr(contract.ROW_RANK)
+ROW_SRC = tl.constexpr(contract.ROW_SRC)
+ROW_POS_SHIFT = tl.constexpr(contract.ROW_POS_SHIFT)
+ROW_OWN_KEY = tl.constexpr(contract.ROW_OWN_KEY)
+KEY_PAD = tl.constexpr(contract.KEY_PAD)
+KEY_FIELDS = tl.constexpr(contract.KEY_FIELDS)
+KEY_SEG = tl.constexpr(contract.KEY_SEG)
+KEY_RANK = tl.constexpr(contract.KEY_RANK)
+E_FIELDS = tl.constexpr(contract.E_FIELDS)
+E_SAME = tl.constexpr(contract.E_SAME)
+E_DELTA = tl.constexpr(contract.E_DELTA)
 # Column sums that give the bias gradients, per (b*h, tile) in (B*H, tiles, BLOCK_D) tables: the dQ
 # kernel's of dq (PART; r_w_bias and r_r_bias both shift q), the dK/dV kernel's of dS K (PARTK; the
 # r_w_bias part alone).
@@ -99,8 +88,8 @@ def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
     src_row = tl.load(meta + ROW_SRC, mask=row_in, other=0)
     rank_q = tl.load(meta + ROW_RANK, mask=row_in, other=INT32_MIN)
     row_ok = row_in & (rank_q != INT32_MIN)
-    pos = code >> 1
-    own_col = tl.where((code & 1) == 1, N_KEYS - qlen + pos, -1)
+    pos = code >> ROW_POS_SHIFT
+    own_col = tl.where((code & ROW_OWN_KEY) == ROW_OWN_KEY, N_KEYS - qlen + pos, -1)
     tile = (bh_rows + rows)[:, None] * HEAD_DIM + offs_d[None, :]
     in_tile = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_w = tl.load(QW + tile, mask=in_tile, other=0.0)
@@ -126,8 +115,8 @@ def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     flat gather index of a banded tile: row i, key column jj reads window column
     ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window. That column stays inside the window
     when the tile's positions span at most BLOCK_N + 1 values: that is what banded means."""
-    p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> 1
-    p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> 1
+    p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> ROW_POS_SHIFT
+    p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> ROW_POS_SHIFT
     banded = p_hi - p_lo <= BLOCK_N
     # rows past M (masked) may have any position: keep their index in range
     lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_N)

@@ -331,6 +331,7 @@ def test_two_stream_rows_are_banded_for_every_tile_size():
     # of BLOCK_M position-sorted rows must then span fewer than BLOCK_M positions
     from xlnet_fast import kernels
     from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels.contract import INT32_MIN, ROW_CODE, ROW_POS_SHIFT, ROW_RANK, ROW_SRC
 
     L, P = 40, 12
     target_pos = torch.randint(-1, L, (2, P), generator=torch.Generator().manual_seed(3))
@@ -338,13 +339,13 @@ def test_two_stream_rows_are_banded_for_every_tile_size():
     a = AttnArgs(None, None, None, None, None, None, None, q_pos, L, L, 0.125, 0.0, None, rows_cover_qlen=True)
     rows, banded_only = kernels._rows_table(a, 2, L + P, torch.device("cpu"))
     assert banded_only
-    pos = rows[..., 0].long() >> 1
+    pos = rows[..., ROW_CODE].long() >> ROW_POS_SHIFT
     for block_m in (16, 64, 128):
         for start in range(0, L + P):
             window = pos[:, start:start + block_m]
             assert (window.amax(1) - window.amin(1) < block_m).all()
     # every caller row appears once, padding rows (rank INT32_MIN) last
-    assert (rows[..., 3].sort(dim=1).values == torch.arange(L + P)).all()
+    assert (rows[..., ROW_SRC].sort(dim=1).values == torch.arange(L + P)).all()
     padding = (target_pos < 0).sum(1)
     for b in range(2):
-        assert (rows[b, L + P - int(padding[b]):, 2] == -(2**31)).all()
+        assert (rows[b, L + P - int(padding[b]):, ROW_RANK] == INT32_MIN).all()

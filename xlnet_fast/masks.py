@@ -16,10 +16,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from .kernel_contract import contract
+
 # Rank sentinels: a key of rank INT32_MIN is visible to every query (memory), one of rank INT32_MAX
-# to none (padding); a query row of rank INT32_MIN sees nothing. The kernels use the same values.
-INT32_MIN = -(2**31)
-INT32_MAX = 2**31 - 1
+# to none (padding); a query row of rank INT32_MIN sees nothing. The kernels' own values.
+INT32_MIN, INT32_MAX = contract.INT32_MIN, contract.INT32_MAX
 
 
 def local_perm(

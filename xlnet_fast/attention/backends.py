@@ -6,10 +6,9 @@ forced backend never falls back: it runs or raises.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..kernel_contract import contract
 from . import eager
 
 BACKENDS = ("auto", "eager", "triton")
@@ -24,10 +23,6 @@ def triton_status() -> tuple[bool, str]:
     return kernels.available()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``"auto"`` to a concrete backend for tensors on ``device``; check forced backends."""
     if backend not in BACKENDS:
@@ -39,7 +34,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     # them unusable for a later interpreted call in the same process
     if backend == "auto" and device.type != "cuda":
         return "eager"
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not contract.interpreting():
         raise RuntimeError(
             f"backend='triton' needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1"
         )

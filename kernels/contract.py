@@ -1,0 +1,53 @@
+"""What the kernels (``rel_attention.py``) and their callers (the launcher ``__init__.py``,
+``xlnet_fast.masks``) agree on: sentinels, modes and the fields of the tables the launcher builds for
+the kernels. The table fields are defined here only; both sides read them by these names.
+
+Plain Python values, and the standard library only: ``xlnet_fast`` reads this module without
+importing torch, triton or the kernels (``xlnet_fast/kernel_contract.py``).
+"""
+
+import os
+
+# Rank sentinels (int32): a key of rank INT32_MIN is visible to every query (memory), one of rank
+# INT32_MAX to none (padding); a query row of rank INT32_MIN sees nothing (padding rows).
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+# The kernels' softmax is in base 2: the launcher folds scale * LOG2E into the query operands.
+LOG2E = 1.4426950408889634
+
+# Masking modes (the MASKING constexpr): no mask beyond the ranks' defaults, a dense bool mask, ranks.
+MASK_NONE = 0
+MASK_DENSE = 1
+MASK_RANKS = 2
+
+# Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS), rows sorted by position with padding
+# rows last: code; segment id; rank (INT32_MIN for a padding row); the caller's row.
+ROW_FIELDS = 4
+ROW_CODE = 0
+ROW_SEG = 1
+ROW_RANK = 2
+ROW_SRC = 3
+# code = position << ROW_POS_SHIFT | sees_own_key (a padding row repeats the last real position
+# without the bit, so a tile's first and last rows give its position range).
+ROW_POS_SHIFT = 1
+ROW_OWN_KEY = 1
+
+# Per-key int32 fields of the KEYS table (B, KEY_FIELDS, K padded to KEY_PAD), one row per field so
+# that a key tile's ids load as vectors: segment id; rank (keys past the end: INT32_MAX, never
+# visible; so key tiles load it unmasked).
+KEY_PAD = 128
+KEY_FIELDS = 2
+KEY_SEG = 0
+KEY_RANK = 1
+
+# Per-row fp32 segment scores of the E table (B, H, M, E_FIELDS), rows in ROWS order:
+# (q + r_s_bias) . seg_embed[0] and (q + r_s_bias) . (seg_embed[1] - seg_embed[0]), scaled like q.
+E_FIELDS = 2
+E_SAME = 0
+E_DELTA = 1
+
+
+def interpreting() -> bool:
+    """Whether Triton runs the kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
