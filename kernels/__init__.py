@@ -324,12 +324,18 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
 
 
 def dropout_mask(seed: int, B: int, H: int, M: int, K: int, dropout_p: float, device,
-                 block: int | None = None) -> torch.Tensor:
+                 block: int | None = None, record=None) -> torch.Tensor:
     """The keep mask (B, H, M, K) bool that the kernels apply with ``seed`` and ``dropout_p`` to query
-    row m (the caller's row) and key k: for tests and debugging. ``block``: the tile width it is drawn
-    with (16 or a multiple of 64; the mask does not depend on it)."""
+    row m and key k: for tests and debugging. The kernels draw it by launch row (the rows sorted by
+    position, ``ROWS``); ``record``: the op's validated arguments of the call
+    (``xlnet_fast.attention.args.validate``) to get it by the caller's rows instead. ``block``: the
+    tile it is drawn with (16 or a multiple of 32; the mask does not depend on it)."""
     keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
     tile = block or (16 if interpreting() else 64)
     _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
         keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
-    return keep.view(B, H, M, K).bool()
+    keep = keep.view(B, H, M, K).bool()
+    if record is not None:
+        caller = _rows_table(record, B, M, device)[0][..., ROW_SRC].long()  # (B, M)
+        keep = torch.empty_like(keep).scatter_(2, caller[:, None, :, None].expand(B, H, M, K), keep)
+    return keep

@@ -25,8 +25,8 @@ general path: windows of 2*BLOCK_N k_r rows until the tile's span is covered.
 
 Softmax is online in base 2 with fp32 statistics; ``scale * log2(e)`` is folded into the query
 operands. Attention dropout draws 16 keep/drop decisions per Philox4x32-7 call (one byte each,
-compared with ``round(256 p)``, as FlashAttention-2), in the accumulator's own layout (``_dropout_keep``),
-regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
+compared with ``round(256 p)``, as FlashAttention-2) for the two rows and eight columns one thread of
+the MMA accumulator holds (``_dropout_keep``), by launch row, regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
 key tile (dK, dV) and one per query tile (dQ, dk_r by fp32 atomics — one BLOCK_N-row tile per key
 tile thanks to the same carry — and the per-tile sums that give the bias and seg_embed gradients).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
@@ -64,9 +64,10 @@ E_DELTA = tl.constexpr(contract.E_DELTA)
 # r_w_bias part alone).
 # Ones that multiply dS^T into its column sums on the tensor cores (the narrowest MMA width).
 COLSUM_WIDTH = tl.constexpr(16)
-# Dropout: Philox4x32 rounds (FlashAttention-2's), and the columns one call's 16 bytes cover.
+# Dropout: Philox4x32 rounds (FlashAttention-2's), and the column group whose four calls per pair of
+# rows (m, m + 8) give its 64 decisions (one call: 16 bytes, both rows, the 8 columns of one MMA lane).
 PHILOX_ROUNDS = tl.constexpr(7)
-DROPOUT_GROUP = tl.constexpr(64)
+DROPOUT_GROUP = tl.constexpr(32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,46 +197,43 @@ def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_
 
 
 @triton.jit
-def _philox_bytes(seed, group, src_row, pid_bh, BLOCK_M: tl.constexpr, N_GROUPS: tl.constexpr):
-    """(BLOCK_M, N_GROUPS, 16) bytes (int32): the Philox4x32-7 output for counter (group, caller row,
-    batch * H + head, 0) and key ``seed``, its four words little-endian (byte u = 4 * word + k)."""
-    zero = tl.zeros((BLOCK_M, N_GROUPS), tl.uint32)
-    c0 = zero + tl.expand_dims(group.to(tl.uint32), 0)
-    c1 = zero + tl.expand_dims(src_row.to(tl.uint32), 1)
+def _philox_bytes(seed, pair0, call0, pid_bh, N_PAIRS: tl.constexpr, N_CALLS: tl.constexpr):
+    """(N_PAIRS, N_CALLS, 2, 2, 2, 2) bytes (int32): the Philox4x32-7 output for counter (call0 + c,
+    pair0 + p, batch * H + head, 0) and key ``seed``; byte u = 8 r + 4 w + 2 b + e (dims r, w, b, e),
+    little-endian over the four words (word 2 r + w, its byte 2 b + e)."""
+    zero = tl.zeros((N_PAIRS, N_CALLS), tl.uint32)
+    c0 = zero + tl.expand_dims((tl.arange(0, N_CALLS) + call0).to(tl.uint32), 0)
+    c1 = zero + tl.expand_dims((tl.arange(0, N_PAIRS) + pair0).to(tl.uint32), 1)
     x0, x1, x2, x3 = tl.philox(seed, c0, c1, zero + pid_bh.to(tl.uint32), zero, n_rounds=PHILOX_ROUNDS)
-    # join(join(a, c), join(b, d)) flattens to a, b, c, d
-    words = tl.reshape(tl.join(tl.join(x0, x2), tl.join(x1, x3)), (BLOCK_M, N_GROUPS, 4))
-    b = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24))
-    return tl.reshape(b, (BLOCK_M, N_GROUPS, 16)).to(tl.int32)
+    # join(join(a, c), join(b, d)) orders a, b, c, d along two new minor dims
+    words = tl.join(tl.join(x0, x2), tl.join(x1, x3))
+    return tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24)).to(tl.int32)
 
 
 @triton.jit
-def _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep mask (BLOCK_M, BLOCK_N) of key columns ``n0 .. n0 + BLOCK_N``: element (row, j) keeps
-    when byte ``2 * ((j % 64) // 8) + j % 2`` of call ``4 * (j // 64) + (j % 8) // 2`` (rows by the
-    caller's index) is at least ``keep_threshold`` = round(256 p). A thread of the MMA accumulator
-    holds columns 8k + 2t + {0, 1} for one t: those 16 columns of a 64-column group come from one
-    call, so the bytes reach it without leaving its registers."""
+def _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep mask (BLOCK_M, BLOCK_N) of launch rows ``m_start ..`` and key columns ``n0 ..``: element
+    (m, j) keeps when byte ``8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2`` of the call at counter
+    ``(4 * (j // 32) + (j % 8) // 2, 8 * (m // 16) + m % 8)`` is at least ``keep_threshold`` =
+    round(256 p). An MMA accumulator thread holds rows m, m + 8 and columns 8k + 2t + {0, 1} for one
+    t: one call gives it both rows of a 32-column group without leaving its registers."""
+    tl.static_assert(BLOCK_M % 16 == 0)
+    N_PAIRS: tl.constexpr = BLOCK_M // 2
     if BLOCK_N >= DROPOUT_GROUP:
-        N_GROUPS: tl.constexpr = BLOCK_N // 16
-        b = _philox_bytes(seed, tl.arange(0, N_GROUPS) + n0 // 16, src_row, pid_bh, BLOCK_M, N_GROUPS)
-        # (row, group g, t, k, e) -> (row, g, k, t, e): column 64 g + 8 k + 2 t + e
-        b = tl.permute(tl.reshape(b, (BLOCK_M, BLOCK_N // 64, 4, 8, 2)), (0, 1, 3, 2, 4))
-        b = tl.reshape(b, (BLOCK_M, BLOCK_N))
+        N_CALLS: tl.constexpr = BLOCK_N // 8
+        b = _philox_bytes(seed, m_start // 2, (n0 // DROPOUT_GROUP) * 4, pid_bh, N_PAIRS, N_CALLS)
+        # (a, i, g, t, r, k_hi, k_lo, e) -> (a, r, i, g, k_hi, k_lo, t, e): row 16 a + 8 r + i,
+        # column 32 g + 8 (2 k_hi + k_lo) + 2 t + e
+        b = tl.reshape(b, (BLOCK_M // 16, 8, BLOCK_N // DROPOUT_GROUP, 4, 2, 2, 2, 2))
+        b = tl.permute(b, (0, 4, 1, 2, 5, 6, 3, 7))
+        return tl.reshape(b, (BLOCK_M, BLOCK_N)) >= keep_threshold
     else:
-        # narrow tiles: draw the tile's whole 64-column group and keep the tile's part of it
-        b = _philox_bytes(seed, tl.arange(0, 4) + (n0 // DROPOUT_GROUP) * 4, src_row, pid_bh, BLOCK_M, 4)
-        part = (n0 - (n0 // DROPOUT_GROUP) * DROPOUT_GROUP) // BLOCK_N  # which BLOCK_N columns of 64
-        if BLOCK_N == 32:
-            # (row, t, half h, k, e) -> (row, k, t, e, h): column 32 h + 8 k + 2 t + e; pick h
-            halves = tl.permute(tl.reshape(b, (BLOCK_M, 4, 2, 4, 2)), (0, 3, 1, 4, 2))
-            lo, hi = tl.split(tl.reshape(halves, (BLOCK_M, BLOCK_N, 2)))
-            b = tl.where(part == 1, hi, lo)
-        else:
-            b = tl.reshape(tl.permute(tl.reshape(b, (BLOCK_M, 4, 8, 2)), (0, 2, 1, 3)),
-                           (BLOCK_M, DROPOUT_GROUP // BLOCK_N, BLOCK_N))
-            b = tl.sum(tl.where(tl.arange(0, DROPOUT_GROUP // BLOCK_N)[None, :, None] == part, b, 0), axis=1)
-    return b >= keep_threshold
+        # narrow (interpreter) tiles: draw the tile's 32-column group and keep its half
+        b = _philox_bytes(seed, m_start // 2, (n0 // DROPOUT_GROUP) * 4, pid_bh, N_PAIRS, 4)
+        b = tl.permute(tl.reshape(b, (BLOCK_M // 16, 8, 4, 2, 2, 2, 2)), (0, 3, 1, 5, 2, 6, 4))
+        lo, hi = tl.split(tl.reshape(b, (BLOCK_M, BLOCK_N, 2)))
+        b = tl.where((n0 // BLOCK_N) % 2 == 1, hi, lo)
+        return b >= keep_threshold
 
 
 @triton.jit
@@ -255,14 +253,14 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, src_row, keep_threshold,
+def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, m_start, keep_threshold,
             DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """One key tile of the forward after its scores: online softmax, dropout, acc += P V (the kept
     probabilities unscaled: the kernel scales the output by 1 / (1 - rate) once)."""
     prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
     if DROPOUT:
-        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        keep = _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M, BLOCK_N)
         prob = tl.where(keep, prob, 0.0)
     v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
@@ -319,7 +317,7 @@ def _fwd_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
@@ -331,7 +329,7 @@ def _fwd_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    src_row, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
@@ -353,7 +351,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m_start, n0, keep_threshold,
                DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
                INPUT_PRECISION: tl.constexpr, KEEP_IN_SIGN: tl.constexpr):
     """From a recomputed score tile (log2 domain): the (dropped) probabilities that multiplied V,
@@ -363,7 +361,7 @@ def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
     keep the plain form, where the sign costs instructions."""
     prob = tl.exp2(s - lse2[:, None])  # lse2 = +inf on rows with no visible key -> 0
     if DROPOUT and KEEP_IN_SIGN:
-        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        keep = _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M, BLOCK_N)
         signed = tl.where(keep, prob, -prob)  # P >= 0: the sign is the mask
         dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         prob_d = tl.maximum(signed, 0.0)
@@ -371,7 +369,7 @@ def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
         return prob_d, prob_d * dp - tl.abs(signed) * delta[:, None]
     elif DROPOUT:
         dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        keep = _dropout_keep(seed, pid_bh, src_row, n0, keep_threshold, BLOCK_M, BLOCK_N)
+        keep = _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M, BLOCK_N)
         return tl.where(keep, prob, 0.0), prob * (tl.where(keep, dp, 0.0) - delta[:, None])
     else:
         dp = tl.dot(do, tl.trans(v.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
@@ -488,7 +486,7 @@ def _bwd_kv_kernel(
         s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                            pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
         do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
-        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+        prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                 DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=True)
         dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         ds_t = tl.trans(ds.to(DOT_DTYPE))
@@ -568,7 +566,7 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
             ds_cur = ds.to(DOT_DTYPE)
             dq = tl.dot(ds_cur, k, dq, input_precision=INPUT_PRECISION)
@@ -595,7 +593,7 @@ def _bwd_q_kernel(
             s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
                                pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
             dq = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
             c_first = qlen + n0 - p_hi
@@ -667,7 +665,7 @@ def _bwd_kr_kernel(
                 s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
                 s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb,
                                    stride_mm, pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, src_row, n0, keep_threshold,
+                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
                 dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
                 acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
@@ -678,11 +676,11 @@ def _bwd_kr_kernel(
 
 @triton.jit
 def _dropout_mask_kernel(KEEP, seed, keep_threshold, M, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """KEEP (B*H, M, N_KEYS) uint8: the keep mask the attention kernels apply (caller rows)."""
+    """KEEP (B*H, M, N_KEYS) uint8: the keep mask the attention kernels apply, rows in launch order."""
     pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(seed, pid_bh, rows, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
+    keep = _dropout_keep(seed, pid_bh, pid_m * BLOCK_M, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
     ptrs = KEEP + (pid_bh.to(tl.int64) * M + rows[:, None]) * N_KEYS + cols[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(rows < M)[:, None] & (cols < N_KEYS)[None, :])
 

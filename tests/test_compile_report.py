@@ -115,8 +115,14 @@ def test_best_config_is_launchable_and_spill_free_and_problems_are_reported():
     assert (summary["compiled"], summary["launchable"]) == (5, 4)
     assert summary["best"]["config"] == "good"
     assert summary["problems"] == ["cliff: register cliff (32 registers, 30000 B of spill)"]
+    # the arch's own tensor-core path wins among spill-free configs, even at more instructions per
+    # score (sm_100's dQ: a 32x32 mma.sync build 0.9 inst/score under the tcgen05 one); without one
+    # spill-free, the other MMA kind is reported
+    [native] = report.summarise([_binary("sync", role="dkr", mma="mma.sync", inst_per_score=20.0),
+                                 _binary("wgmma", role="dkr")])
+    assert native["best"]["config"] == "wgmma" and not native["problems"]
     [wrong_mma] = report.summarise([_binary("good", role="dkr", mma="mma.sync", inst_per_score=20.0),
-                                      _binary("b", role="dkr")])
+                                    _binary("b", role="dkr", spill_bytes=8)])
     assert wrong_mma["problems"] == ["good: MMA mma.sync, not wgmma"]
     [only_spilling] = report.summarise([_binary("spills", spill_bytes=8), _binary("fast", smem_bytes=240_000)])
     assert only_spilling["best"] is None

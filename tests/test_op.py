@@ -288,6 +288,15 @@ def test_attention_probabilities_keeps_an_explicit_zero_scale():
     assert torch.allclose(probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
 
 
+def test_attention_probabilities_are_differentiable_with_masks():
+    # regression: masked rows' NaNs were zeroed in place on softmax's output, which autograd needs
+    case = make_case(seg=False, mask="dense", dtype=torch.float64)
+    leaves = [t.detach().clone().requires_grad_() for t in case.args()]
+    probs = xlnet_fast.attention.attention_probabilities(*leaves, **case.kwargs())
+    grads_ = torch.autograd.grad((probs * torch.randn_like(probs)).sum(), leaves[:2])
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads_)
+
+
 def test_q_pos_out_of_range_is_caught_under_torch_compile():
     # regression: the q_pos < qlen check was skipped under torch.compile (garbage, no error)
     case = _base().replace(q_pos=torch.tensor([[0, 1, 2, 3, 5]] * 2))

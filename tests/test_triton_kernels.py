@@ -138,7 +138,7 @@ def test_philox_reference_matches_the_published_known_answers():
 @pytest.mark.parametrize("seed", [123, 2**40 + 7])
 def test_dropout_stream_is_the_documented_philox_bytes(seed, block):
     """The keep mask is Philox4x32-7 bytes at the documented counters, whatever tile draws it
-    (narrow interpreter tiles take another code path than the GPU's 64-wide ones)."""
+    (16-column interpreter tiles take another code path than the GPU's tiles of 32 columns or more)."""
     from xlnet_fast.kernels import dropout_mask, dropout_threshold
 
     B, H, M, K, p = 2, 3, 19, 150, 0.3
@@ -166,12 +166,16 @@ def test_dropout_rate_and_streams():
 def test_dropout_is_the_same_mask_in_forward_and_backward():
     """With v_j = e_j the output row is the dropped probability row: it must be the documented mask
     (the op's seed: its first draw after manual_seed) times the probabilities over the kept rate,
-    and the gradients must equal the float64 autograd of (P * keep * scale) @ V with that mask."""
+    and the gradients must equal the float64 autograd of (P * keep * scale) @ V with that mask. The
+    query rows come in shuffled positions, so the kernels' launch order (by position) is not the
+    caller's: the mask is drawn by launch row and must land on the caller's rows."""
+    from xlnet_fast.attention.args import validate
     from xlnet_fast.kernels import dropout_mask, dropout_threshold
 
-    B, L, H, D, p = 1, 16, 1, 16, 0.4
-    case = make_case(B=B, M=L, H=H, D=D, mlen=0, seg=False, dtype=torch.float32)
-    case = case.replace(v=torch.eye(L).reshape(1, L, 1, D)).to(device=DEVICE)
+    B, L, H, p = 1, 40, 1, 0.4
+    q_pos = torch.randperm(L, generator=torch.Generator().manual_seed(3)).view(1, L)
+    case = make_case(B=B, M=L, H=H, D=L, mlen=0, seg=False, q_pos=q_pos, dtype=torch.float32)
+    case = case.replace(v=torch.eye(L).reshape(1, L, 1, L)).to(device=DEVICE)
     kw = case.kwargs()
     leaves = [t.detach().clone().requires_grad_() for t in case.args()]
     torch.manual_seed(7)
@@ -180,7 +184,11 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
     out = rel_attention(*leaves, **kw, dropout_p=p, backend="triton")
     torch.manual_seed(7)
     assert torch.equal(out, rel_attention(*leaves, **kw, dropout_p=p, backend="triton"))
-    keep = dropout_mask(seed, B, H, L, L, p, DEVICE)[0, 0]
+    record = validate(*leaves, **kw, dropout_p=p)
+    keep = dropout_mask(seed, B, H, L, L, p, DEVICE, record=record)[0, 0]
+    launch = dropout_mask(seed, B, H, L, L, p, DEVICE)[0, 0]
+    assert torch.equal(keep[q_pos[0].argsort()], launch)  # launch row m is the row at position m
+    assert not torch.equal(keep, launch)
     scale = 1 / (1 - dropout_threshold(p) / 256)
     assert 0.3 < 1 - keep.float().mean().item() < 0.5
     probs = xlnet_fast.attention_probabilities(*leaves, **kw)[0, 0]

@@ -39,35 +39,32 @@ WGMMA_MIN_ROWS = 64
 # dropout-overhead cap, spill bytes (stores + loads), the MMA kind accepted at the best config.
 SHORTFALLS: dict = {
     "3.6": {  # the committed records (bench/results/compile_sm*.json): every arch, both D and streams
-        # D=64 on sm_80, target <= 3.5x: dK/dV 3.73x, dQ 3.86x; dropout target <= 1.35x: 32-column tiles
-        # draw their whole 64-column Philox group (1.36-1.47x)
-        (80, 64, "dkdv"): {"ratio": 3.85, "dropout": 1.45},
-        (80, 64, "dq"): {"ratio": 4.0, "dropout": 1.45},
+        # D=64 on sm_80, target <= 3.5x: dK/dV 3.73x, dQ 3.86x
+        (80, 64, "dkdv"): {"ratio": 3.85},
+        (80, 64, "dq"): {"ratio": 4.0},
+        # dropout target <= 1.35x: the forward's 32x64 tiles (1.37-1.44x: mma.sync lays their 4 warps
+        # side by side along the keys, so each Philox call's bytes cross warps through shared memory)
         (80, 64, "fwd"): {"dropout": 1.5},
-        # D=128, target <= 512 B of spill on sm_80/90/100: dQ 1,296 B on sm_80
-        (80, 128, "dq"): {"spill": 1632, "dropout": 1.45},
+        # D=128, target <= 512 B of spill on sm_80/90/100: dQ 1,264 B on sm_80
+        (80, 128, "dq"): {"spill": 1632},
         (80, 128, "fwd"): {"dropout": 1.45},
-        (86, 64, "dkdv"): {"dropout": 1.45},
-        (86, 64, "dq"): {"dropout": 1.5},
         (86, 128, "fwd"): {"dropout": 1.45},
-        (89, 64, "dkdv"): {"dropout": 1.45},
-        (89, 64, "dq"): {"dropout": 1.5},
         (89, 128, "fwd"): {"dropout": 1.45},
-        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.17x; 64x64w4s2 2.85x spills 40 B
-        # with dropout), dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32: mma.sync, 3.37x)
+        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.17x; 64x64w4s2 2.85x spills 32 B
+        # with dropout), dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32: mma.sync,
+        # 3.37x, dropout 1.41x in its deterministic build)
         (90, 64, "dkdv"): {"ratio": 3.25},
         (90, 64, "dkr"): {"mma": "mma.sync"},
-        (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.5, "dropout": 1.55},
+        (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.5, "dropout": 1.45},
         (90, 128, "dkr"): {"mma": "mma.sync"},
         (90, 128, "dq"): {"spill": 672, "mma": "mma.sync", "dropout": 1.45},
         (90, 128, "fwd"): {"mma": "mma.sync", "dropout": 1.5},
-        (120, 64, "dq"): {"spill": 32, "dropout": 1.55},
+        (120, 64, "dq"): {"spill": 32, "dropout": 1.45},
         (120, 128, "fwd"): {"dropout": 1.45},
     },
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
         (80, 64, "dq"): {"spill": 80, "ratio": 4.4},  # 64 B (with dropout), 4.29x; targets 0 B, 3.5x
-        (80, 64, "fwd"): {"dropout": 1.55},  # 1.47x at 32x64; target 1.35x
-        (90, 64, "dkdv"): {"ratio": 3.35},  # 3.25x at 32x64w4s1; target 3.0x
+        (80, 64, "fwd"): {"dropout": 1.55},  # 1.48x at 32x64; target 1.35x
         (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.55},  # 32x32w4s1 (mma.sync) 3.41x; target 3.0x, wgmma
     },
 }
@@ -201,7 +198,8 @@ def config_figures(binaries: list) -> dict:
 
 def summarise(records: list, all_candidates: bool = True) -> list:
     """Per (arch, D, role, dtype): the configs' figures (``config_figures``), ``best`` (the
-    launchable spill-free config with the lowest inst/score, else the lowest within the spill cap),
+    launchable spill-free config with the lowest inst/score, those on the arch's own tensor-core path
+    first, else likewise within the spill cap),
     ``problems`` against issue 20's targets and ``regressions`` (the gate: ``regressions``);
     ``all_candidates``: whether every candidate config was compiled, which the count of launchable
     ones needs. The ratio caps are bf16's (the reference is bf16)."""
@@ -218,7 +216,10 @@ def summarise(records: list, all_candidates: bool = True) -> list:
         launchable = [c for c in configs if c["launchable"] and not c["errors"]]
         cap = spill_cap(arch, D)
         within = [c for c in launchable if c["spill_bytes"] <= (cap or 0) and c["inst_per_score"] is not None]
-        best = min(within, key=lambda c: (c["spill_bytes"] > 0, c["inst_per_score"]), default=None)
+        expected = EXPECTED_MMA.get(rel_attention.arch_family(arch))
+        # the arch's own tensor-core path first: its MMA issues far more work per instruction
+        best = min(within, key=lambda c: (c["spill_bytes"] > 0, bool(expected) and c["mma"] != [expected],
+                                          c["inst_per_score"]), default=None)
         least_spill = min(launchable, key=lambda c: (c["spill_bytes"], c["inst_per_score"] or 0), default=None)
         problems = [f"{c['config']}: {c['errors']} binaries failed to compile" for c in configs if c["errors"]]
         problems += [f"{c['config']}: register cliff ({c['regs']} registers, {c['spill_bytes']} B of spill)"
@@ -231,7 +232,6 @@ def summarise(records: list, all_candidates: bool = True) -> list:
             problems.append(f"no launchable config within {cap} B of spill (least: {least_spill['config']}, "
                             f"{least_spill['spill_bytes']} B)")
         if best is not None:
-            expected = EXPECTED_MMA.get(rel_attention.arch_family(arch))
             if expected and best["mma"] != [expected]:
                 problems.append(f"{best['config']}: MMA {'/'.join(best['mma'])}, not {expected}")
             ratio_cap = RATIO_CAPS.get((arch, D), {}).get(role) if dtype == "bf16" else None

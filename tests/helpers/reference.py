@@ -115,18 +115,21 @@ def philox4x32(counter, key, rounds: int):
 
 
 def dropout_keep_reference(seed: int, B: int, H: int, M: int, K: int, threshold: int) -> torch.Tensor:
-    """The kernels' documented dropout stream, (B, H, M, K) bool: element (row m, key j) of
-    batch*head ``bh`` keeps when byte ``u = 2 * ((j % 64) // 8) + j % 2`` (little-endian over the four
-    words) of Philox4x32-7 at counter ``(4 * (j // 64) + (j % 8) // 2, m, bh, 0)``, key ``seed``, is at
-    least ``threshold``."""
+    """The kernels' documented dropout stream, (B, H, M, K) bool by launch row: element (row m, key j)
+    of batch*head ``bh`` keeps when byte ``u = 8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2``
+    (little-endian over the four words) of Philox4x32-7 at counter
+    ``(4 * (j // 32) + (j % 8) // 2, 8 * (m // 16) + m % 8, bh, 0)``, key ``seed``, is at least
+    ``threshold``."""
     bh = torch.arange(B * H).view(-1, 1, 1)
     m = torch.arange(M).view(1, -1, 1)
     j = torch.arange(K).view(1, 1, -1)
-    group = 4 * (j // 64) + (j % 8) // 2
+    call = 4 * (j // 32) + (j % 8) // 2
+    row_pair = 8 * (m // 16) + m % 8
     shape = (B * H, M, K)
-    words = philox4x32([group.expand(shape), m.expand(shape), bh.expand(shape), torch.zeros(shape, dtype=torch.long)],
+    words = philox4x32([call.expand(shape), row_pair.expand(shape), bh.expand(shape),
+                        torch.zeros(shape, dtype=torch.long)],
                        (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF), rounds=7)
-    u = 2 * ((j % 64) // 8) + j % 2
+    u = 8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2
     word = torch.stack(words).gather(0, (u // 4).expand(shape).unsqueeze(0))[0]
     byte = (word >> (8 * (u % 4))) & 0xFF
     return (byte >= threshold).view(B, H, M, K)

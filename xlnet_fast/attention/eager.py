@@ -135,7 +135,10 @@ def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
     """Attention probabilities (B, H, M, K) before dropout, for ``output_attentions``."""
     s, vis, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     p = torch.softmax(s, dim=-1)
-    return p if vis is None else p.nan_to_num_(0.0)
+    if vis is None:
+        return p
+    # rows with no visible key are NaN; in place only where autograd does not need softmax's output
+    return p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)
 
 
 def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse):
