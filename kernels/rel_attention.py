@@ -26,15 +26,17 @@ general path: windows of 2*BLOCK_N k_r rows until the tile's span is covered.
 Softmax is online in base 2 with fp32 statistics; ``scale * log2(e)`` is folded into the query
 operands. Attention dropout draws 16 keep/drop decisions per Philox4x32-7 call (one byte each,
 compared with ``round(256 p)``, as FlashAttention-2) for the two rows and eight columns one thread of
-the MMA accumulator holds (``_dropout_keep``), by launch row, regenerated in backward. Backward: ``delta = rowsum(dO * O)``, one kernel per
-key tile (dK, dV) and one per query tile (dQ, dk_r by fp32 atomics — one BLOCK_N-row tile per key
-tile thanks to the same carry — and the per-tile sums that give the bias and seg_embed gradients).
+the MMA accumulator holds (``_dropout_keep``), by launch row, regenerated in backward.
+Backward: ``delta = rowsum(dO * O)``, one kernel per key tile (dK, dV) and one per query tile (dQ,
+dk_r by fp32 atomics — one BLOCK_N-row tile per key tile thanks to the same carry — and the
+per-tile sums that give the bias and seg_embed gradients).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -75,14 +77,26 @@ DROPOUT_GROUP = tl.constexpr(32)
 # --------------------------------------------------------------------------------------------------
 
 
+class QueryTile(NamedTuple):
+    """A query tile's rows (in the launcher's order): ``(BLOCK_M,)`` metadata and the
+    ``(BLOCK_M, BLOCK_D)`` query operands."""
+
+    pos: tl.tensor  # position; a padding row repeats the last real one
+    row_ok: tl.tensor  # a real row
+    seg: tl.tensor  # segment id (the row index without segments: never read)
+    rank: tl.tensor  # permutation rank; INT32_MIN on padding rows (they see nothing)
+    own_col: tl.tensor  # the key column the row also sees (its own key), or -1
+    src_row: tl.tensor  # the caller's row
+    q_w: tl.tensor  # (q + r_w_bias) * qk_scale, the dot dtype
+    q_r: tl.tensor  # (q + r_r_bias) * qk_scale
+    e_delta: tl.tensor  # segment score difference, other minus same segment (0 without segments)
+
+
 @triton.jit
 def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
                 HEAD_DIM: tl.constexpr, SEGMENTS: tl.constexpr):
-    """A query tile (rows in the launcher's order): positions (a padding row repeats the last real
-    position), whether the row is real, segment ids, ranks (padding rows: INT32_MIN, they see
-    nothing), the key column each row also sees (its own key, or -1), the caller's row, the query
-    operands ``q_w``, ``q_r`` (the launcher folded the biases and ``qk_scale`` in) and the segment
-    score difference ``e_delta`` (0 without segments). ``bh_rows`` = (b * H + h) * M."""
+    """The ``QueryTile`` of launch rows ``rows``, read from the ROWS table and the operands the
+    launcher prepared (biases and ``qk_scale`` folded in). ``bh_rows`` = (b * H + h) * M."""
     row_in = rows < M
     meta = rows_base + rows * ROW_FIELDS
     code = tl.load(meta + ROW_CODE, mask=row_in, other=0)
@@ -101,11 +115,12 @@ def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
     else:
         seg_q = rows
         e_delta = tl.zeros(rows.shape, tl.float32)
-    return pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta
+    return QueryTile(pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta)
 
 
 @triton.jit
 def _padded_keys(N_KEYS):
+    """The KEYS table's row length: N_KEYS rounded up to KEY_PAD."""
     return tl.cdiv(N_KEYS, KEY_PAD) * KEY_PAD
 
 
@@ -154,7 +169,7 @@ def _skew_window(raw, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+def _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """bd for a tile whose positions span BLOCK_M or more values: windows of 2*BLOCK_N k_r rows
@@ -166,17 +181,17 @@ def _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, o
     c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
     for c0 in range(c_first, c_end, 2 * BLOCK_N):
         kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
-        raw = tl.dot(q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        col = qlen + n0 - pos[:, None] + jj[None, :] - c0
-        inside = (col >= 0) & (col < 2 * BLOCK_N) & row_ok[:, None]
+        raw = tl.dot(query.q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        col = qlen + n0 - query.pos[:, None] + jj[None, :] - c0
+        inside = (col >= 0) & (col < 2 * BLOCK_N) & query.row_ok[:, None]
         flat_idx = local[:, None] * (2 * BLOCK_N) + tl.where(inside, col, 0)
         bd += tl.where(inside, _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N), 0.0)
     return bd
 
 
 @triton.jit
-def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_base, stride_mm,
-                   pos, n0, N_KEYS, qlen, R, SEGMENTS: tl.constexpr, MASKING: tl.constexpr,
+def _finish_scores(s, query, keys_base, mask_base, stride_mm, n0, N_KEYS, qlen, R, SEGMENTS: tl.constexpr,
+                   MASKING: tl.constexpr,
                    CHECK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add the segment term to ``ac + bd`` (already scaled, log2 domain) and mask: -inf where a key
     is not visible. The segment term's per-row part for same-segment keys is left out: a constant
@@ -185,14 +200,14 @@ def _finish_scores(s, e_delta, seg_q, rank_q, own_col, row_src, keys_base, mask_
     rank_k = tl.load(keys_base + KEY_RANK * _padded_keys(N_KEYS) + cols)
     if SEGMENTS:
         seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
-        s += tl.where(seg_q[:, None] != seg_k[None, :], e_delta[:, None], 0.0)
+        s += tl.where(query.seg[:, None] != seg_k[None, :], query.e_delta[:, None], 0.0)
     # ranks are always there: padding rows have rank INT32_MIN, keys past the end INT32_MAX
-    visible = (rank_k[None, :] < rank_q[:, None]) | (cols[None, :] == own_col[:, None])
+    visible = (rank_k[None, :] < query.rank[:, None]) | (cols[None, :] == query.own_col[:, None])
     if MASKING == MASK_DENSE:
-        blocked = tl.load(mask_base + row_src[:, None] * stride_mm + cols[None, :], mask=visible, other=1)
+        blocked = tl.load(mask_base + query.src_row[:, None] * stride_mm + cols[None, :], mask=visible, other=1)
         visible = visible & (blocked == 0)
     if CHECK_R:
-        visible = visible & ((qlen + cols[None, :] - pos[:, None]) < R)
+        visible = visible & ((qlen + cols[None, :] - query.pos[:, None]) < R)
     return tl.where(visible, s, float("-inf"))
 
 
@@ -277,6 +292,9 @@ def _fwd_kernel(
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
+    """One query tile of one (batch row, head): OUT (B, M, H, D) at the caller's rows, scaled by
+    ``keep_scale`` (dropout's 1 / (1 - rate)), and LSE (B, H, M) the natural-log log-sum-exp of the
+    scaled scores (+inf on a row with no visible key). Rows in the launcher's order (ROWS)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -293,9 +311,9 @@ def _fwd_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
     # 1. query side: the launcher's operands (bias and scale folded in), per-row metadata
-    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+    query = _query_tile(
         QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
         if BLOCK_M <= BLOCK_N:
             banded = True
@@ -306,35 +324,37 @@ def _fwd_kernel(
     if banded:
         # 2. banded tiles: carry the lower half of each k_r window to the next key tile
         kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
-        raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        raw_lo = tl.dot(query.q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
-            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            raw_hi = tl.dot(query.q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             # the content term accumulates onto the relative one: the window is dead by then
             bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
+            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
+                                    INPUT_PRECISION)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
+            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION)
+                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
+                                    INPUT_PRECISION)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
     out = acc * (keep_scale / tl.where(has_key, l_i, 1.0))[:, None]
-    out_ptrs = OUT + b * stride_ob + h * stride_oh + src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + query.src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (offs_d < HEAD_DIM)[None, :])
     # natural-log lse of the scaled scores; +inf marks a row with no visible key
     # (the scores left out the same-segment term e_same: a per-row constant, added back here)
@@ -342,7 +362,7 @@ def _fwd_kernel(
     if SEGMENTS:
         lse2 += tl.load(E + (bh_rows + rows) * E_FIELDS + E_SAME, mask=rows < M, other=0.0)
     lse = tl.where(has_key, lse2 / LOG2E, float("inf"))
-    tl.store(LSE + pid_bh.to(tl.int64) * M + src_row, lse, mask=rows < M)
+    tl.store(LSE + pid_bh.to(tl.int64) * M + query.src_row, lse, mask=rows < M)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -468,33 +488,33 @@ def _bwd_kv_kernel(
     col_sums = tl.zeros((BLOCK_N, COLSUM_WIDTH), tl.float32)
     for m0 in range(0, M, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
-        pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+        query = _query_tile(
             QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-        p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, m0, M, BLOCK_M, BLOCK_N)
+        p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, m0, M, BLOCK_M, BLOCK_N)
         if BANDED_ONLY:
             if BLOCK_M <= BLOCK_N:
                 banded = True
         if banded:
             # one window of 2*BLOCK_N k_r rows anchored at the tile's last position
             kr = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
-            raw = tl.dot(q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            raw = tl.dot(query.q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             bd = _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
         else:
-            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-        s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
-        s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                           pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-        do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
+        s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+        s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                           n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+        do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
         prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                 DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=True)
         dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
         ds_t = tl.trans(ds.to(DOT_DTYPE))
-        dk += tl.dot(ds_t, q_w, input_precision=INPUT_PRECISION)
+        dk += tl.dot(ds_t, query.q_w, input_precision=INPUT_PRECISION)
         col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
         if SEGMENTS:
             tl.store(GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows,
-                     _other_segment_sums(ds, seg_q, keys_base, cols, N_KEYS), mask=rows < M)
+                     _other_segment_sums(ds, query.seg, keys_base, cols, N_KEYS), mask=rows < M)
     col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
     # k again from memory: the loaded tile kept in registers through the loop costs a tile of them
     # (rows from a scalar base: pointers shared with the first load would be kept through the loop)
@@ -538,10 +558,10 @@ def _bwd_q_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+    query = _query_tile(
         QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-    do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
-    p_hi, p_lo, banded, lag, flat_idx = _band(pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
+    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
     if BANDED_ONLY:
         if BLOCK_M <= BLOCK_N:
             banded = True
@@ -559,12 +579,12 @@ def _bwd_q_kernel(
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
                                HEAD_DIM).to(DOT_DTYPE)
-            raw_lo = tl.dot(q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
-            raw_hi = tl.dot(q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
+            raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
+            raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
             bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
-            s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
             _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
@@ -573,7 +593,7 @@ def _bwd_q_kernel(
             dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
             dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
             if DKR_ATOMIC:
-                _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, q_r, offs_d,
+                _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, query.q_r, offs_d,
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             ds_prev = ds_cur
             kr_lo = kr_hi
@@ -582,16 +602,16 @@ def _bwd_q_kernel(
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
             _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R,
-                        dsc, q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                        dsc, query.q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-            s = tl.dot(q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, mask_base, stride_mm,
-                               pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
+            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
             v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
             _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
                                DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
@@ -600,10 +620,10 @@ def _bwd_q_kernel(
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
             for c0 in range(c_first, c_end, 2 * BLOCK_N):
                 kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
-                dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
+                dsc = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
                 dq = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
                 if DKR_ATOMIC:
-                    _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
+                    _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, query.q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
                                 DOT_DTYPE, INPUT_PRECISION)
 
     # dQ = scale * (dS K + dS_shifted K_r + g_diff (seg_embed[1] - seg_embed[0])): rows' dS over
@@ -613,7 +633,7 @@ def _bwd_q_kernel(
         g_diff = tl.load(G + bh_rows + rows, mask=rows < M, other=0.0)
         seg_delta = tl.load(SEGD + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         dq += g_diff[:, None] * seg_delta[None, :]
-    dq_ptrs = DQ + ((b * M + src_row[:, None].to(tl.int64)) * H + h) * HEAD_DIM + offs_d[None, :]
+    dq_ptrs = DQ + ((b * M + query.src_row[:, None].to(tl.int64)) * H + h) * HEAD_DIM + offs_d[None, :]
     # padding rows too (their gradient is 0)
     tl.store(dq_ptrs, (dq * (qk_scale / LOG2E)).to(DQ.dtype.element_ty), mask=(rows < M)[:, None] & d_ok[None, :])
 
@@ -646,11 +666,11 @@ def _bwd_kr_kernel(
         keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
         for m0 in range(0, M, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta = _query_tile(
+            query = _query_tile(
                 QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-            do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM)
-            p_hi = tl.max(tl.where(row_ok, pos, -1), axis=0)
-            p_lo = tl.min(tl.where(row_ok, pos, qlen), axis=0)
+            do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
+            p_hi = tl.max(tl.where(query.row_ok, query.pos, -1), axis=0)
+            p_lo = tl.min(tl.where(query.row_ok, query.pos, qlen), axis=0)
             # keys j whose k_r row qlen + j - p_i falls in [c0, c0 + BLOCK_N)
             j_lo = tl.maximum(c0 - qlen + p_lo, 0)
             j_hi = tl.minimum(c0 + BLOCK_N - qlen + p_hi, N_KEYS)
@@ -660,15 +680,15 @@ def _bwd_kr_kernel(
                                HEAD_DIM).to(DOT_DTYPE)
                 v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
                                HEAD_DIM)
-                bd = _bd_general(q_r, kr_base, stride_rr, pos, row_ok, p_hi, p_lo, n0, qlen, R, offs_d,
+                bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-                s = tl.dot(q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
-                s = _finish_scores(s, e_delta, seg_q, rank_q, own_col, src_row, keys_base, MASK + b * stride_mb,
-                                   stride_mm, pos, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+                s = _finish_scores(s, query, keys_base, MASK + b * stride_mb,
+                                   stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
                 _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
-                dsc = _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
-                acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
+                dsc = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N)
+                acc += tl.dot(tl.trans(dsc.to(DOT_DTYPE)), query.q_r, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
     tl.store(DKR + br * stride_dkrb + h * HEAD_DIM + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
              acc, mask=(c_rows < R)[:, None] & d_ok[None, :])
