@@ -89,7 +89,9 @@ def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
         return
     import torch
 
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    from xlnet_fast.kernel_contract import contract
+
+    if torch.cuda.is_available() and not contract.interpreting():
         _pin(names.split(","))
 
 
