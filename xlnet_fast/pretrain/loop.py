@@ -172,12 +172,12 @@ class _Preemption:
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.requested:
             raise KeyboardInterrupt
-        if not self.requested:
+        first, self.requested = not self.requested, True  # before logging: a signal may land inside it
+        if first:
             self.signal_name = signal.Signals(signum).name
             if signum == signal.SIGINT:
                 logger.warning("Ctrl-C: saving a checkpoint at the end of this step, then stopping (Ctrl-C again "
                                "stops at once, without saving)")
-        self.requested = True
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():
