@@ -231,7 +231,9 @@ def _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M: tl.constex
     (m, j) keeps when byte ``8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2`` of the call at counter
     ``(4 * (j // 32) + (j % 8) // 2, 8 * (m // 16) + m % 8)`` is at least ``keep_threshold`` =
     round(256 p). An MMA accumulator thread holds rows m, m + 8 and columns 8k + 2t + {0, 1} for one
-    t: one call gives it both rows of a 32-column group without leaving its registers."""
+    t: one call gives it both rows of a 32-column group, in its registers where the warps are stacked
+    along the rows (wgmma, 64-row tiles); 32-row mma.sync tiles set their warps side by side along
+    the keys and get the bytes through shared memory (bench/NOTES.md, kernel v3 change 8)."""
     tl.static_assert(BLOCK_M % 16 == 0)
     N_PAIRS: tl.constexpr = BLOCK_M // 2
     if BLOCK_N >= DROPOUT_GROUP:
