@@ -88,11 +88,27 @@ def _block_d(D: int) -> int:
     return max(16, triton.next_power_of_2(D))
 
 
-def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
-    """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment id,
-    rank and the caller's row; rows ordered by position (a content row before the target rows at
-    its position, padding rows last, repeating the last real position, with rank INT32_MIN) so
-    that tiles are banded. Also whether every tile is banded by construction: the content stream
+def _segment_codes(q_seg: torch.Tensor, k_seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment ids (B, M) and (B, K), any integers -> codes, per batch row: a key's code is the
+    rank of its id among the distinct ids of that row's keys, a query's is its id's code, or -1 when
+    no key has it. Equal ids get equal codes and different ids different ones, so the kernels compare
+    codes (narrowing the ids to int32 would merge ids that differ above bit 31). Sync-free."""
+    ids, order = torch.sort(k_seg.long(), dim=1)
+    new_id = torch.ones_like(ids, dtype=torch.bool)
+    new_id[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    code_sorted = new_id.long().cumsum(1) - 1
+    k_codes = torch.empty_like(code_sorted).scatter_(1, order, code_sorted)
+    q_ids = q_seg.long().contiguous()
+    at = torch.searchsorted(ids, q_ids).clamp(max=ids.shape[1] - 1)
+    q_codes = torch.where(ids.gather(1, at) == q_ids, code_sorted.gather(1, at), -1)
+    return q_codes, k_codes
+
+
+def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, bool]:
+    """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment code
+    (``q_codes``, see ``_segment_codes``), rank and the caller's row; rows ordered by position (a
+    content row before the target rows at its position, padding rows last, repeating the last real
+    position, with rank INT32_MIN) so that tiles are banded. Also whether every tile is banded by construction: the content stream
     (row i at position i) and launches whose rows cover every position (two-stream)."""
     rows = torch.zeros((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
@@ -110,8 +126,8 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     last_real = p_sorted.cummax(dim=1).values.clamp(min=0)
     code = torch.where(real, (p_sorted << ROW_POS_SHIFT) | own_sorted * ROW_OWN_KEY, last_real << ROW_POS_SHIFT)
     rows[..., ROW_CODE] = code.to(torch.int32)
-    if a.q_seg is not None:
-        rows[..., ROW_SEG] = take(a.q_seg.long()).to(torch.int32)
+    if q_codes is not None:
+        rows[..., ROW_SEG] = take(q_codes).to(torch.int32)
     # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
     rows[..., ROW_RANK] = torch.where(real, rank, INT32_MIN).to(torch.int32)
@@ -119,15 +135,16 @@ def _rows_table(a, B: int, M: int, device) -> tuple[torch.Tensor, bool]:
     return rows, a.q_pos is None or a.rows_cover_qlen
 
 
-def _keys_table(a, B: int, K: int, device) -> torch.Tensor:
-    """(B, KEY_FIELDS, K padded to KEY_PAD) int32: segment id and rank of each key, one row per field;
-    the padding keys have rank INT32_MAX (never visible), the real ones -1 without a rank mask."""
+def _keys_table(a, B: int, K: int, device, k_codes=None) -> torch.Tensor:
+    """(B, KEY_FIELDS, K padded to KEY_PAD) int32: segment code (``k_codes``, see ``_segment_codes``)
+    and rank of each key, one row per field; the padding keys have rank INT32_MAX (never visible),
+    the real ones -1 without a rank mask."""
     padded = triton.cdiv(K, KEY_PAD) * KEY_PAD
     keys = torch.zeros((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
     keys[:, KEY_RANK, K:] = INT32_MAX
     keys[:, KEY_RANK, :K] = a.k_rank if a.k_rank is not None else -1
-    if a.k_seg is not None:
-        keys[:, KEY_SEG, :K] = a.k_seg.to(torch.int32)
+    if k_codes is not None:
+        keys[:, KEY_SEG, :K] = k_codes.to(torch.int32)
     return keys
 
 
@@ -183,7 +200,8 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     k, v, k_r = (_int32_rows(t, n) for t, n in ((k, "k"), (v, "v"), (k_r, "k_r")))
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
-    rows, banded_only = _rows_table(a, B, M, q.device)
+    q_codes, k_codes = _segment_codes(a.q_seg, a.k_seg) if a.seg_embed is not None else (None, None)
+    rows, banded_only = _rows_table(a, B, M, q.device, q_codes)
     if a.attn_mask is not None:
         mask = a.attn_mask if a.attn_mask.stride(-1) == 1 else a.attn_mask.contiguous()
         mask = mask.view(torch.uint8)
@@ -196,7 +214,7 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     keep_threshold = dropout_threshold(a.dropout_p)
     return dict(
         **_query_operands(q, r_w_bias, r_r_bias, a, rows), ROWS=rows, K=k, V=v, KR=k_r,
-        KEYS=_keys_table(a, B, K, q.device), MASK=mask, stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
+        KEYS=_keys_table(a, B, K, q.device, k_codes), MASK=mask, stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
         stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
         stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
         stride_mb=stride_mb, stride_mm=stride_mm,

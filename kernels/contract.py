@@ -22,7 +22,8 @@ MASK_DENSE = 1
 MASK_RANKS = 2
 
 # Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS), rows sorted by position with padding
-# rows last: code; segment id; rank (INT32_MIN for a padding row); the caller's row.
+# rows last: code; segment code (the ids ranked per batch row); rank (INT32_MIN for a padding row);
+# the caller's row.
 ROW_FIELDS = 4
 ROW_CODE = 0
 ROW_SEG = 1
@@ -34,7 +35,7 @@ ROW_POS_SHIFT = 1
 ROW_OWN_KEY = 1
 
 # Per-key int32 fields of the KEYS table (B, KEY_FIELDS, K padded to KEY_PAD), one row per field so
-# that a key tile's ids load as vectors: segment id; rank (keys past the end: INT32_MAX, never
+# that a key tile's ids load as vectors: segment code; rank (keys past the end: INT32_MAX, never
 # visible; so key tiles load it unmasked).
 KEY_PAD = 128
 KEY_FIELDS = 2

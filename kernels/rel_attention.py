@@ -83,7 +83,7 @@ class QueryTile(NamedTuple):
 
     pos: tl.tensor  # position; a padding row repeats the last real one
     row_ok: tl.tensor  # a real row
-    seg: tl.tensor  # segment id (the row index without segments: never read)
+    seg: tl.tensor  # segment code (the row index without segments: never read)
     rank: tl.tensor  # permutation rank; INT32_MIN on padding rows (they see nothing)
     own_col: tl.tensor  # the key column the row also sees (its own key), or -1
     src_row: tl.tensor  # the caller's row
