@@ -20,8 +20,9 @@ for the same arch, D and config (tiles, warps, stages, ``maxnreg``) as each op b
 reference has no such binary. Dropout binaries carry ``dropout_overhead``: inst/score over the same
 kernel's at the same config and scenario without dropout.
 
-Each op record: ``arch``, ``kernel``, ``role`` (``fwd``/``dkdv``/``dq``/``dkr``: the role the
-launcher asked ``configs_for`` about), ``candidate`` (its place in ``configs_for``), ``D``,
+Each op record: ``arch``, ``kernel``, ``role`` (``fwd``/``dkdv``/``dq``/``dkr``/``fixup``: the role
+the launcher asked ``configs_for`` about; ``fixup`` is the dK/dV kernel's second launch with segments,
+held to launchability, spills and register cliffs only), ``candidate`` (its place in ``configs_for``), ``D``,
 ``scenarios``, ``flags``, ``config``, ``regs``, ``spill_bytes`` (= ``spill_store_bytes`` +
 ``spill_load_bytes``), ``smem_bytes``, ``tmem_columns``, ``launchable``, ``mma``, ``per_iteration``,
 ``inst_per_score``, ``ratio_to_reference``, ``reference`` and, with dropout, ``dropout_overhead``.
@@ -34,7 +35,7 @@ where one is not yet). Output: ``--json PATH`` (one file), ``--record``
 (``bench/results/compile_sm<arch>.json`` per arch, overwritten: one snapshot of the kernels), else
 the cache directory (``bench.runner``). Compiled records are cached there too, by everything that
 makes the binary, so a re-run compiles only what changed. The reference role of the dk_r kernel
-(which accumulates over query tiles) is dK/dV.
+(which accumulates over query tiles) and of the fix-up is dK/dV.
 """
 
 from __future__ import annotations

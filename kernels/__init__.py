@@ -108,8 +108,9 @@ def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, 
     """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment code
     (``q_codes``, see ``_segment_codes``), rank and the caller's row; rows ordered by position (a
     content row before the target rows at its position, padding rows last, repeating the last real
-    position, with rank INT32_MIN) so that tiles are banded. Also whether every tile is banded by construction: the content stream
-    (row i at position i) and launches whose rows cover every position (two-stream)."""
+    position, with rank INT32_MIN) so that tiles are banded. Also whether every tile is banded by
+    construction: the content stream (row i at position i) and launches whose rows cover every
+    position (two-stream)."""
     rows = torch.zeros((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
     own = (caller < a.self_rows).long()
@@ -214,7 +215,8 @@ def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
     keep_threshold = dropout_threshold(a.dropout_p)
     return dict(
         **_query_operands(q, r_w_bias, r_r_bias, a, rows), ROWS=rows, K=k, V=v, KR=k_r,
-        KEYS=_keys_table(a, B, K, q.device, k_codes), MASK=mask, stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
+        KEYS=_keys_table(a, B, K, q.device, k_codes), MASK=mask,
+        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
         stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
         stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
         stride_mb=stride_mb, stride_mm=stride_mm,
@@ -307,8 +309,13 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     segments = a.seg_embed is not None
     g_parts = torch.zeros((B * H, n_n_tiles, M) if segments else (1,), dtype=torch.float32, device=q.device)
 
-    _run("dkdv", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H),
-         dict(args, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, n_n_tiles=n_n_tiles), deterministic)
+    kv_args = dict(args, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, n_n_tiles=n_n_tiles)
+    _run("dkdv", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H), kv_args, deterministic)
+    if segments:
+        # rows of segment codes the dK/dV kernel's one-hot has no column for (a batch row with more
+        # than SEG_CODES segment ids): nearly every program returns at once; a fixed config, as
+        # the autotuner would zero GP to time it
+        _run("fixup", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H), dict(kv_args, FIX_UP=True), True)
     # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment
     g_diff = g_parts.sum(1).view(B, H, M) if segments else g_parts
     seg_delta = (a.seg_embed[1] - a.seg_embed[0]).float().contiguous() if segments else g_parts

@@ -29,7 +29,10 @@ compared with ``round(256 p)``, as FlashAttention-2) for the two rows and eight 
 the MMA accumulator holds (``_dropout_keep``), by launch row, regenerated in backward.
 Backward: ``delta = rowsum(dO * O)``, one kernel per key tile (dK, dV) and one per query tile (dQ,
 dk_r by fp32 atomics — one BLOCK_N-row tile per key tile thanks to the same carry — and the
-per-tile sums that give the bias and seg_embed gradients).
+per-tile sums that give the bias and seg_embed gradients). The segment gradient needs each row's
+dS summed over the keys of another segment: dK/dV sums its dS tile per segment code on the tensor
+cores, against a one-hot of its key tile's codes (the launcher ranks segment ids into dense codes;
+a batch row with more than 15 ids gets the rest from a second, mostly idle, launch: ``FIX_UP``).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
 """
 
@@ -66,6 +69,12 @@ E_DELTA = tl.constexpr(contract.E_DELTA)
 # r_w_bias part alone).
 # Ones that multiply dS^T into its column sums on the tensor cores (the narrowest MMA width).
 COLSUM_WIDTH = tl.constexpr(16)
+# Segments (the launcher's dense codes per batch row): dK/dV sums a dS tile per code on the tensor
+# cores, times a one-hot (BLOCK_N, SEG_COLUMNS) of its key tile's codes below SEG_CODES and a last
+# column of ones (the row totals); rows of larger codes get their same-code sums from a second
+# launch of the kernel (FIX_UP), whose programs return at once unless their key tile has such codes.
+SEG_CODES = tl.constexpr(15)
+SEG_COLUMNS = tl.constexpr(16)
 # Dropout: Philox4x32 rounds (FlashAttention-2's), and the column group whose four calls per pair of
 # rows (m, m + 8) give its 64 decisions (one call: 16 bytes, both rows, the 8 columns of one MMA lane).
 PHILOX_ROUNDS = tl.constexpr(7)
@@ -448,12 +457,34 @@ def _dkr_atomic(dkr_base, stride_row, first, R, dsc, q_r, offs_d, ROWS: tl.const
 
 
 @triton.jit
-def _other_segment_sums(ds, seg_q, keys_base, cols, N_KEYS):
-    """Row sums of a dS tile over its keys of another segment than the row's. (Over all keys a row
-    of dS sums to 0: sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum is minus
-    the other-segment one.)"""
-    seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
-    return tl.sum(tl.where(seg_q[:, None] != seg_k[None, :], ds, 0.0), axis=1)
+def _segment_one_hot(seg_k, DOT_DTYPE: tl.constexpr):
+    """(BLOCK_N, SEG_COLUMNS) in the dot dtype: column c < SEG_CODES is 1 where the key's segment
+    code is c; the last column is all ones."""
+    column = tl.arange(0, SEG_COLUMNS)[None, :]
+    return ((seg_k[:, None] == column) | (column == SEG_CODES)).to(DOT_DTYPE)
+
+
+@triton.jit
+def _other_segment_sums(ds_dot, seg_q, one_hot, INPUT_PRECISION: tl.constexpr):
+    """A dS tile's (``ds_dot``, the dot dtype) row sums over its keys of another segment than the
+    row's: per code ``ds @ one_hot``, the row total less the column of the row's own code (none for
+    a code of SEG_CODES or more: the FIX_UP launch subtracts those rows' same-code sums). (Over all
+    keys a row of dS sums to 0: sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum
+    is minus the other-segment one.)"""
+    column = tl.arange(0, SEG_COLUMNS)
+    # Triton lays the warps of a chain of dots out by the first it places, along the rows when its
+    # rows >= its columns: the product takes the score tile's longer side as its own (a (32, 16)
+    # product would put a 32x64 tile's 4 warps along 32 rows, each warp's MMAs repeated)
+    if ds_dot.shape[0] >= ds_dot.shape[1]:
+        per_code = tl.dot(ds_dot, one_hot, input_precision=INPUT_PRECISION)  # (BLOCK_M, SEG_COLUMNS)
+        signed = tl.where(column[None, :] == SEG_CODES, per_code,
+                          tl.where(column[None, :] == seg_q[:, None], -per_code, 0.0))
+        return tl.sum(signed, axis=1)
+    else:
+        per_code = tl.dot(tl.trans(one_hot), tl.trans(ds_dot), input_precision=INPUT_PRECISION)
+        signed = tl.where(column[:, None] == SEG_CODES, per_code,
+                          tl.where(column[:, None] == seg_q[None, :], -per_code, 0.0))
+        return tl.sum(signed, axis=0)
 
 
 @triton.jit
@@ -463,12 +494,14 @@ def _bwd_kv_kernel(
     stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_n_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, FIX_UP: tl.constexpr = False,
 ):
     """One key tile: dK and dV over all query tiles (DK/DV are (B, K, H, D) contiguous); in PARTK
     (B*H, n_n_tiles, BLOCK_D) the tile's part of sum_ij dS_ij k_j (the r_w_bias gradient); with
     segments each query row's sum of dS over this tile's keys of another segment, in GP
-    (B*H, n_n_tiles, M) at the kernels' row order (the launcher sums over key tiles)."""
+    (B*H, n_n_tiles, M) at the kernels' row order (the launcher sums over key tiles).
+    ``FIX_UP`` (a second launch, after the first): only GP's rows of segment code SEG_CODES or more,
+    less their same-code sums, from the key tiles that hold such codes; the other programs return."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -488,7 +521,14 @@ def _bwd_kv_kernel(
     # column sums of dS (every column of the product holds them)
     ones = tl.full((BLOCK_M, COLSUM_WIDTH), 1.0, DOT_DTYPE)
     col_sums = tl.zeros((BLOCK_N, COLSUM_WIDTH), tl.float32)
-    for m0 in range(0, M, BLOCK_M):
+    m_end = M
+    if SEGMENTS:
+        seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
+        if FIX_UP:
+            m_end = tl.where(tl.max(seg_k, axis=0) >= SEG_CODES, M, 0)
+        else:
+            one_hot = _segment_one_hot(seg_k, DOT_DTYPE)
+    for m0 in range(0, m_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         query = _query_tile(
             QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
@@ -510,25 +550,32 @@ def _bwd_kv_kernel(
         do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
         prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                 DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=True)
-        dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
-        ds_t = tl.trans(ds.to(DOT_DTYPE))
-        dk += tl.dot(ds_t, query.q_w, input_precision=INPUT_PRECISION)
-        col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
-        if SEGMENTS:
-            tl.store(GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows,
-                     _other_segment_sums(ds, query.seg, keys_base, cols, N_KEYS), mask=rows < M)
-    col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
-    # k again from memory: the loaded tile kept in registers through the loop costs a tile of them
-    # (rows from a scalar base: pointers shared with the first load would be kept through the loop)
-    k_out = _load_rows(K + b * stride_kb + h * stride_kh + n0 * stride_kn, stride_kn, 0, N_KEYS - n0, offs_d,
-                       BLOCK_N, HEAD_DIM)
-    tl.store(PARTK + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * BLOCK_D + offs_d,
-             tl.sum(col_sum[:, None] * k_out.to(tl.float32), axis=0))
-    # q_w carries qk_scale = scale * log2(e); dK needs scale alone
-    out_off = (b * N_KEYS * H + h) * HEAD_DIM + cols[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :]
-    kv_ok = (cols < N_KEYS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tl.store(DK + out_off, (dk / LOG2E).to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_ok)
+        gp = GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows
+        if FIX_UP:
+            # rows whose code the one-hot has no column for: their same-code sums out of the totals
+            same = (query.seg[:, None] == seg_k[None, :]) & (query.seg >= SEG_CODES)[:, None]
+            tl.atomic_add(gp, -tl.sum(tl.where(same, ds, 0.0), axis=1), mask=rows < M, sem="relaxed")
+        else:
+            dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
+            ds_dot = ds.to(DOT_DTYPE)
+            ds_t = tl.trans(ds_dot)
+            dk += tl.dot(ds_t, query.q_w, input_precision=INPUT_PRECISION)
+            col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
+            if SEGMENTS:
+                tl.store(gp, _other_segment_sums(ds_dot, query.seg, one_hot, INPUT_PRECISION), mask=rows < M)
+    if not FIX_UP:
+        col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
+        # k again from memory: the loaded tile kept in registers through the loop costs a tile of them
+        # (rows from a scalar base: pointers shared with the first load would be kept through the loop)
+        k_out = _load_rows(K + b * stride_kb + h * stride_kh + n0 * stride_kn, stride_kn, 0, N_KEYS - n0, offs_d,
+                           BLOCK_N, HEAD_DIM)
+        tl.store(PARTK + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * BLOCK_D + offs_d,
+                 tl.sum(col_sum[:, None] * k_out.to(tl.float32), axis=0))
+        # q_w carries qk_scale = scale * log2(e); dK needs scale alone
+        out_off = (b * N_KEYS * H + h) * HEAD_DIM + cols[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :]
+        kv_ok = (cols < N_KEYS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.store(DK + out_off, (dk / LOG2E).to(DK.dtype.element_ty), mask=kv_ok)
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -738,8 +785,10 @@ CANDIDATES = {
           "dq": ("64x64w8s2", "64x64w4s1", "32x64w4s1", "32x32w4s1", "64x128w8s1"),
           "dkr": ("64x64w4s1", "32x64w4s1", "32x32w4s1")},
 }
+for _family in CANDIDATES.values():  # the dK/dV kernel's FIX_UP launch (see _bwd_kv_kernel)
+    _family["fixup"] = _family["dkdv"]
 CANDIDATES[120] = CANDIDATES[86]  # RTX 50: the same 99 KB of shared memory and mma.sync
-ROLES = ("fwd", "dkdv", "dq", "dkr")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
 # Tiles under the CPU interpreter (small shapes, fast to interpret).
 INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
@@ -879,7 +928,8 @@ def _tuned(fn, role: str, key: list, **options):
                            **options)(fn)
 
 
-KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel}
+KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel,
+           "fixup": _bwd_kv_kernel}
 fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
 # tiles of another BLOCK_N write other entries of GP and PARTK: start each timing from zeros
 bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY, reset_to_zero=["GP", "PARTK"])

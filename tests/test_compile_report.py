@@ -164,6 +164,17 @@ def test_ratio_and_dropout_overhead_compare_the_same_config_only():
     a = next(c for c in summary["configs"] if c["config"] == "a")
     assert a["inst_per_score"] == 40.0 and a["dropout_overhead"] == 1.5  # worst without dropout
     assert any("dropout 1.5x" in p for p in summary["problems"])
+    # one kernel in two roles (dK/dV and its fix-up launch): dropout against its own role's binary,
+    # and the fix-up held to launchability, spills and cliffs only (mma.sync on sm_90, no ratio)
+    records = [_binary("a", role="dkdv", kernel="_bwd_kv_kernel", inst_per_score=40.0),
+               _binary("a", role="fixup", kernel="_bwd_kv_kernel", inst_per_score=20.0, mma="mma.sync"),
+               _binary("a", role="dkdv", kernel="_bwd_kv_kernel", scenario="two-stream+dropout", inst_per_score=50.0),
+               _binary("a", role="fixup", kernel="_bwd_kv_kernel", scenario="two-stream+dropout", inst_per_score=40.0,
+                       mma="mma.sync")]
+    report.attach_dropout_overhead(records)
+    assert [r.get("dropout_overhead") for r in records] == [None, None, 1.25, 2.0]
+    fixup = next(s for s in report.summarise(records, all_candidates=False) if s["role"] == "fixup")
+    assert fixup["best"]["config"] == "a" and fixup["problems"] == [] and report.regressions(fixup, False) == []
 
 
 def test_regression_gate_holds_met_targets_and_measured_ceilings(monkeypatch):
@@ -220,7 +231,7 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     records = written["records"]
     from xlnet_fast.kernels import rel_attention
 
-    wanted = {(arch, role, rel_attention.config_name(c)) for arch in (80, 90) for role in ("fwd", "dkdv", "dq")
+    wanted = {(arch, role, rel_attention.config_name(c)) for arch in (80, 90) for role in ("fwd", "dkdv", "dq", "fixup")
               for c in rel_attention.configs_for(arch, 64, role)}
     assert {(r["arch"], r["role"], r["config"]) for r in records} == wanted
     assert all(r["ratio_to_reference"] for r in records), "a binary without its like-for-like reference"

@@ -30,7 +30,7 @@ from bench import cases, runner
 from bench.compiler import aot, sass
 from bench.compiler.targets import REFERENCE_ROLE, launchability, number
 
-ROLES = ("fwd", "dkdv", "dq", "dkr")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
 CACHE = "compile_report_cache"  # analysed binaries, in the cache directory
 # Seconds one worker takes per binary, compile + ptxas + nvdisasm (measured with triton 3.6: the
 # full matrix, 1,154 binaries, in 19 minutes on 2 workers).

@@ -14,7 +14,11 @@ import math
 import triton
 
 # The FlashAttention-2 kernel an op kernel is compared with.
-REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv"}
+REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv", "fixup": "dkdv"}
+# Roles held to launchability, spills and register cliffs only (no MMA kind, ratio or dropout
+# target): the dK/dV kernel's FIX_UP launch, whose programs return at once unless their key tile
+# holds segment codes past its one-hot's columns (a batch row with more than 15 segment ids).
+CHECKS_ONLY = ("fixup",)
 
 # --------------------------------------------------------------------------------------------------
 # Issue 20's targets: shared by --check, --gate and tests/test_compile_report.py
@@ -96,6 +100,8 @@ def limits(arch: int, D: int, role: str, version: str | None = None) -> dict:
     out = {"ratio": RATIO_CAPS.get((arch, D), {}).get(role), "dropout": DROPOUT_OVERHEAD_CAP,
            "spill": spill_cap(arch, D), "mma": EXPECTED_MMA.get(rel_attention.arch_family(arch))}
     out.update(shortfalls(version).get((arch, D, role), {}))
+    if role in CHECKS_ONLY:
+        out.update(ratio=None, dropout=math.inf, mma=None)
     return out
 
 
@@ -160,14 +166,15 @@ def _without_dropout(label: str) -> str:
 
 def attach_dropout_overhead(records: list) -> None:
     """``dropout_overhead`` of a dropout binary: its inst/score over the binary of the same arch,
-    kernel, D and config in the same scenario without dropout (null when that was not compiled)."""
-    by_scenario = {(r["arch"], r["kernel"], r["D"], r["config"], label): r
+    kernel, role (one kernel serves dK/dV and its fix-up), D and config in the same scenario without
+    dropout (null when that was not compiled)."""
+    by_scenario = {(r["arch"], r["kernel"], r.get("role"), r["D"], r["config"], label): r
                    for r in records for label in r["scenarios"]}
     for record in records:
         dropped = [label for label in record["scenarios"] if "dropout" in label.split("+")]
         if not dropped:
             continue
-        base = by_scenario.get((record["arch"], record["kernel"], record["D"], record["config"],
+        base = by_scenario.get((record["arch"], record["kernel"], record.get("role"), record["D"], record["config"],
                                 _without_dropout(dropped[0])))
         ok = base is not None and base.get("inst_per_score") and record.get("inst_per_score")
         record["dropout_overhead"] = round(record["inst_per_score"] / base["inst_per_score"], 2) if ok else None
@@ -216,7 +223,7 @@ def summarise(records: list, all_candidates: bool = True) -> list:
         launchable = [c for c in configs if c["launchable"] and not c["errors"]]
         cap = spill_cap(arch, D)
         within = [c for c in launchable if c["spill_bytes"] <= (cap or 0) and c["inst_per_score"] is not None]
-        expected = EXPECTED_MMA.get(rel_attention.arch_family(arch))
+        expected = None if role in CHECKS_ONLY else EXPECTED_MMA.get(rel_attention.arch_family(arch))
         # the arch's own tensor-core path first: its MMA issues far more work per instruction
         best = min(within, key=lambda c: (c["spill_bytes"] > 0, bool(expected) and c["mma"] != [expected],
                                           c["inst_per_score"]), default=None)
@@ -239,7 +246,8 @@ def summarise(records: list, all_candidates: bool = True) -> list:
                 problems.append(f"{best['config']}: no ratio to the reference at this config (cap {ratio_cap}x)")
             elif ratio_cap is not None and best["ratio_to_reference"] > ratio_cap:
                 problems.append(f"{best['config']}: {best['ratio_to_reference']}x the reference (cap {ratio_cap}x)")
-            if best["dropout_overhead"] is not None and best["dropout_overhead"] > DROPOUT_OVERHEAD_CAP:
+            if (role not in CHECKS_ONLY and best["dropout_overhead"] is not None
+                    and best["dropout_overhead"] > DROPOUT_OVERHEAD_CAP):
                 problems.append(f"{best['config']}: dropout {best['dropout_overhead']}x (cap {DROPOUT_OVERHEAD_CAP}x)")
         entry = {"arch": arch, "D": D, "role": role, "dtype": dtype, "compiled": len(configs),
                  "launchable": len(launchable), "spill_cap": cap, "best": best, "least_spill": None if best else least_spill,
@@ -280,7 +288,7 @@ def regressions(s: dict, all_candidates: bool = True, version: str | None = None
     runs = [c for c in s["configs"] if c["launchable"] and not c["errors"]]  # (a build over its limits may trap)
     found += [f"{c['config']}: no tensor-core MMA ({'/'.join(c['mma']) or 'no key loop'})"
               for c in runs if not [m for m in c["mma"] if m != "none (FMA)"]]
-    if rel_attention.arch_family(arch) == 90:
+    if rel_attention.arch_family(arch) == 90 and role not in CHECKS_ONLY:
         found += [f"{c['config']}: {'/'.join(c['mma'])} where wgmma fits" for c in runs
                   if c["mma"] and _wgmma_fits(c["config"], role) and c["mma"] != ["wgmma"]]
     wanted = limit.get("launchable", MIN_LAUNCHABLE)
