@@ -31,8 +31,9 @@ Backward: ``delta = rowsum(dO * O)``, one kernel per key tile (dK, dV) and one p
 dk_r by fp32 atomics — one BLOCK_N-row tile per key tile thanks to the same carry — and the
 per-tile sums that give the bias and seg_embed gradients). The segment gradient needs each row's
 dS summed over the keys of another segment: dK/dV sums its dS tile per segment code on the tensor
-cores, against a one-hot of its key tile's codes (the launcher ranks segment ids into dense codes;
-a batch row with more than 15 ids gets the rest from a second, mostly idle, launch: ``FIX_UP``).
+cores, against a one-hot of its key tile's codes, in key tiles of 64 or more (the launcher ranks
+segment ids into dense codes; a batch row with more than 15 ids gets the rest from a second,
+mostly idle, launch: ``FIX_UP``).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
 """
 
@@ -72,9 +73,11 @@ COLSUM_WIDTH = tl.constexpr(16)
 # Segments (the launcher's dense codes per batch row): dK/dV sums a dS tile per code on the tensor
 # cores, times a one-hot (BLOCK_N, SEG_COLUMNS) of its key tile's codes below SEG_CODES and a last
 # column of ones (the row totals); rows of larger codes get their same-code sums from a second
-# launch of the kernel (FIX_UP), whose programs return at once unless their key tile has such codes.
+# launch of the kernel (FIX_UP), whose programs do nothing unless their key tile has such codes.
 SEG_CODES = tl.constexpr(15)
 SEG_COLUMNS = tl.constexpr(16)
+# Key tiles narrower than this compare per score instead (measured: bench/NOTES.md, 2026-11-25).
+SEG_PRODUCT_KEYS = tl.constexpr(64)
 # Dropout: Philox4x32 rounds (FlashAttention-2's), and the column group whose four calls per pair of
 # rows (m, m + 8) give its 64 decisions (one call: 16 bytes, both rows, the 8 columns of one MMA lane).
 PHILOX_ROUNDS = tl.constexpr(7)
@@ -465,26 +468,34 @@ def _segment_one_hot(seg_k, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _other_segment_sums(ds_dot, seg_q, one_hot, INPUT_PRECISION: tl.constexpr):
-    """A dS tile's (``ds_dot``, the dot dtype) row sums over its keys of another segment than the
-    row's: per code ``ds @ one_hot``, the row total less the column of the row's own code (none for
-    a code of SEG_CODES or more: the FIX_UP launch subtracts those rows' same-code sums). (Over all
-    keys a row of dS sums to 0: sum_j p_ij dP_ij = dO_i . out_i = delta_i; so the same-segment sum
-    is minus the other-segment one.)"""
-    column = tl.arange(0, SEG_COLUMNS)
-    # Triton lays the warps of a chain of dots out by the first it places, along the rows when its
-    # rows >= its columns: the product takes the score tile's longer side as its own (a (32, 16)
-    # product would put a 32x64 tile's 4 warps along 32 rows, each warp's MMAs repeated)
-    if ds_dot.shape[0] >= ds_dot.shape[1]:
-        per_code = tl.dot(ds_dot, one_hot, input_precision=INPUT_PRECISION)  # (BLOCK_M, SEG_COLUMNS)
-        signed = tl.where(column[None, :] == SEG_CODES, per_code,
-                          tl.where(column[None, :] == seg_q[:, None], -per_code, 0.0))
-        return tl.sum(signed, axis=1)
+def _other_segment_sums(ds, seg_q, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE: tl.constexpr,
+                        INPUT_PRECISION: tl.constexpr):
+    """A dS tile's row sums over its keys of another segment than the row's, except for rows of code
+    SEG_CODES or more: the row total (the FIX_UP launch subtracts their same-code sums). Key tiles
+    of SEG_PRODUCT_KEYS or more: per code ``ds @ one_hot``, the total less the column of the row's
+    own code; narrower ones: compared per score. (Over all keys a row of dS sums to 0: sum_j p_ij
+    dP_ij = dO_i . out_i = delta_i; so the same-segment sum is minus the other-segment one.)"""
+    if ds.shape[1] >= SEG_PRODUCT_KEYS:
+        ds_dot = ds.to(DOT_DTYPE)
+        column = tl.arange(0, SEG_COLUMNS)
+        # Triton lays the warps of a chain of dots out by the first it places, along the rows when
+        # its rows >= its columns: the product takes the score tile's longer side as its own (a
+        # (32, 16) product would put a 32x64 tile's 4 warps along 32 rows, each warp's MMAs repeated)
+        if ds.shape[0] >= ds.shape[1]:
+            per_code = tl.dot(ds_dot, one_hot, input_precision=INPUT_PRECISION)  # (BLOCK_M, SEG_COLUMNS)
+            signed = tl.where(column[None, :] == SEG_CODES, per_code,
+                              tl.where(column[None, :] == seg_q[:, None], -per_code, 0.0))
+            return tl.sum(signed, axis=1)
+        else:
+            per_code = tl.dot(tl.trans(one_hot), tl.trans(ds_dot), input_precision=INPUT_PRECISION)
+            signed = tl.where(column[:, None] == SEG_CODES, per_code,
+                              tl.where(column[:, None] == seg_q[None, :], -per_code, 0.0))
+            return tl.sum(signed, axis=0)
     else:
-        per_code = tl.dot(tl.trans(one_hot), tl.trans(ds_dot), input_precision=INPUT_PRECISION)
-        signed = tl.where(column[:, None] == SEG_CODES, per_code,
-                          tl.where(column[:, None] == seg_q[None, :], -per_code, 0.0))
-        return tl.sum(signed, axis=0)
+        # the codes loaded per query tile: kept through the loop they would hold registers
+        seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
+        own = tl.where(seg_q < SEG_CODES, seg_q, -1)  # -1: no key's code, the row total
+        return tl.sum(tl.where(own[:, None] != seg_k[None, :], ds, 0.0), axis=1)
 
 
 @triton.jit
@@ -526,8 +537,7 @@ def _bwd_kv_kernel(
         seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
         if FIX_UP:
             m_end = tl.where(tl.max(seg_k, axis=0) >= SEG_CODES, M, 0)
-        else:
-            one_hot = _segment_one_hot(seg_k, DOT_DTYPE)
+        one_hot = _segment_one_hot(seg_k, DOT_DTYPE)  # (unused by narrow tiles and FIX_UP: not compiled)
     for m0 in range(0, m_end, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         query = _query_tile(
@@ -557,12 +567,12 @@ def _bwd_kv_kernel(
             tl.atomic_add(gp, -tl.sum(tl.where(same, ds, 0.0), axis=1), mask=rows < M, sem="relaxed")
         else:
             dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
-            ds_dot = ds.to(DOT_DTYPE)
-            ds_t = tl.trans(ds_dot)
+            ds_t = tl.trans(ds.to(DOT_DTYPE))
             dk += tl.dot(ds_t, query.q_w, input_precision=INPUT_PRECISION)
             col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
             if SEGMENTS:
-                tl.store(gp, _other_segment_sums(ds_dot, query.seg, one_hot, INPUT_PRECISION), mask=rows < M)
+                tl.store(gp, _other_segment_sums(ds, query.seg, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE,
+                                                 INPUT_PRECISION), mask=rows < M)
     if not FIX_UP:
         col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
         # k again from memory: the loaded tile kept in registers through the loop costs a tile of them

@@ -61,10 +61,17 @@ def test_forward_backward_match_eager_and_reference(name, deterministic):
     assert rel(out, case64.to(device="cpu").call(reference_attention)) < 1e-5
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 64)])
 @pytest.mark.parametrize("distinct", [2, 15, 40])
-def test_segment_ids_are_compared_as_given(distinct):
+def test_segment_ids_are_compared_as_given(distinct, block_m, block_n, monkeypatch):
     """Segment ids are any int64 values (here alike in their low 32 bits: narrowed to int32 they
-    were all one segment), queries may have an id no key has, and a key tile may hold many ids."""
+    were all one segment), queries may have an id no key has, and a key tile may hold many ids:
+    more than the dK/dV kernel's one-hot has columns (``SEG_CODES``) at 40, which the fix-up launch
+    completes. Tiles: 16 keys compare per score; 64 sum by product, (64, 16) and transposed."""
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
     g = torch.Generator().manual_seed(distinct)
     case = make_case(B=2, M=37, H=2, D=16, mlen=13, mask="rank", dtype=torch.float32)
     ids = 7 + (torch.randperm(distinct + 1, generator=g) - distinct // 2) * 2**32
