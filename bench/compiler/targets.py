@@ -43,8 +43,8 @@ WGMMA_MIN_ROWS = 64
 # dropout-overhead cap, spill bytes (stores + loads), the MMA kind accepted at the best config.
 SHORTFALLS: dict = {
     "3.6": {  # the committed records (bench/results/compile_sm*.json): every arch, both D and streams
-        # D=64 on sm_80, target <= 3.5x: dK/dV 3.73x, dQ 3.86x
-        (80, 64, "dkdv"): {"ratio": 3.85},
+        # D=64 on sm_80, target <= 3.5x: dK/dV 3.69x, dQ 3.86x
+        (80, 64, "dkdv"): {"ratio": 3.75},
         (80, 64, "dq"): {"ratio": 4.0},
         # dropout target <= 1.35x: the forward's 32x64 tiles (1.37-1.44x: mma.sync lays their 4 warps
         # side by side along the keys, so each Philox call's bytes cross warps through shared memory)
@@ -54,10 +54,10 @@ SHORTFALLS: dict = {
         (80, 128, "fwd"): {"dropout": 1.45},
         (86, 128, "fwd"): {"dropout": 1.45},
         (89, 128, "fwd"): {"dropout": 1.45},
-        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.17x; 64x64w4s2 2.85x spills 32 B
-        # with dropout), dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32: mma.sync,
-        # 3.37x, dropout 1.41x in its deterministic build)
-        (90, 64, "dkdv"): {"ratio": 3.25},
+        # sm_90 D=64, targets: dK/dV <= 3.0x spill-free (32x64w4s1: 3.03x; 64x64w4s2 2.50x spills 32 B
+        # in the content stream only), dQ <= 3.0x spill-free with wgmma (the only spill-free dQ is 32x32:
+        # mma.sync, 3.37x, dropout 1.41x in its deterministic build)
+        (90, 64, "dkdv"): {"ratio": 3.1},
         (90, 64, "dkr"): {"mma": "mma.sync"},
         (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.5, "dropout": 1.45},
         (90, 128, "dkr"): {"mma": "mma.sync"},
