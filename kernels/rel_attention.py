@@ -498,7 +498,9 @@ def _other_segment_sums(ds, seg_q, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE: 
         return tl.sum(tl.where(own[:, None] != seg_k[None, :], ds, 0.0), axis=1)
 
 
-@triton.jit
+# M unspecialized: its divisibility by 16 (the content stream's 512 rows) only moved ptxas's register
+# allocation, 32 B of spill at sm_90's 64x64w4s2 that the two-stream build (597 rows) has not
+@triton.jit(do_not_specialize=["M"])
 def _bwd_kv_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DK, DV, GP, PARTK,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
