@@ -41,6 +41,15 @@ CASES = {
 }
 
 
+def assert_matches_eager(case, dout):
+    """The triton backend's output and gradients on ``case`` against the float64 eager path."""
+    out, g_tri = grads(triton_attention, case, dout)
+    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    assert rel(out, ref_out) < 1e-5
+    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
+        assert rel(a, b) < 1e-4, n
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_backward_match_eager_and_reference(name, deterministic):
@@ -78,12 +87,7 @@ def test_segment_ids_are_compared_as_given(distinct, block_m, block_n, monkeypat
     k_seg = ids[:distinct][torch.randint(0, distinct, (2, 50), generator=g)]
     q_seg = torch.where(torch.rand(2, 37, generator=g) < 0.8, k_seg[:, 13:], ids[distinct])
     case = case.replace(q_seg=q_seg, k_seg=k_seg).to(device=DEVICE)
-    dout = torch.randn(case.q.shape, device=DEVICE)
-    out, g_tri = grads(triton_attention, case, dout)
-    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
-    assert rel(out, ref_out) < 1e-5
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4, n
+    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
 
 
 def test_deterministic_dk_r_is_bitwise_reproducible():
@@ -143,12 +147,7 @@ def test_tiles_not_square_match_eager(name, block_m, block_n, monkeypatch):
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
     case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
-    dout = torch.randn(case.q.shape, device=DEVICE)
-    out, g_tri = grads(triton_attention, case, dout)
-    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
-    assert rel(out, ref_out) < 1e-5
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4, n
+    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
 
 
 def test_philox_reference_matches_the_published_known_answers():
