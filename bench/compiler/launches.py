@@ -32,8 +32,9 @@ from bench.compiler.targets import REFERENCE_ROLE, launchability, number
 
 ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
 CACHE = "compile_report_cache"  # analysed binaries, in the cache directory
-# Seconds one worker takes per binary, compile + ptxas + nvdisasm (measured with triton 3.6: the
-# full matrix, 1,154 binaries, in 19 minutes on 2 workers).
+# Seconds one worker takes per binary, compile + ptxas + nvdisasm (measured with triton 3.6: 1,154
+# binaries in 19 minutes on 2 workers; the full matrix is 1,040 since dK/dV's content and two-stream
+# launches share their binaries).
 SECONDS_PER_COMPILE = 2
 COUNTED = ("inst", "mma", "shfl", "lds", "sts", "ldl", "stl", "ldg", "stg", "bar", "mufu")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp32-tf32": torch.float32}  # --dtype
