@@ -261,6 +261,15 @@ def _smallest_tile(name: str) -> int:
     return min(c.kwargs[name] for c in _k.all_configs())
 
 
+def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> torch.Tensor:
+    """The kernels' fp32 dk_r sums (Br, rows, H, D), zeroed; rows >= R are room for the dQ kernel,
+    which adds whole windows of k_r rows without a row mask: row ``qlen + j - position`` for key j,
+    windows of up to 2 * BLOCK_N rows starting below R or at most ``qlen + K + BLOCK_N`` (positions
+    >= -1). The rows past R receive zeros (their scores are masked)."""
+    widest = _k.INTERPRETER_TILES["BLOCK_N"] if interpreting() else max(c.kwargs["BLOCK_N"] for c in _k.all_configs())
+    return torch.zeros((Br, max(R, qlen + K) + 2 * widest, H, D), dtype=torch.float32, device=device)
+
+
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
     B, M, H, D = q.shape
@@ -299,7 +308,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, K, H, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
-    dkr = torch.zeros((Br, R, H, D), dtype=torch.float32, device=q.device)
+    dkr = _dkr_buffer(Br, R, a.qlen, K, H, D, q.device)
     stride_dkrb = dkr.stride(0) if Br > 1 else 0
     # room for the partial sums of the smallest tiles any config may pick (zeroed, unused rest)
     n_m_tiles = triton.cdiv(M, _smallest_tile("BLOCK_M"))
@@ -344,7 +353,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     else:
         dr_s = torch.zeros_like(r_w_bias)
         dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
-    dkr = (dkr / LOG2E).to(k_r.dtype)
+    dkr = (dkr[:, :R] / LOG2E).to(k_r.dtype)
     return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
 
 

@@ -447,16 +447,19 @@ def _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM: tl.co
 
 
 @triton.jit
-def _dkr_atomic(dkr_base, stride_row, first, R, dsc, q_r, offs_d, ROWS: tl.constexpr,
+def _dkr_atomic(dkr_base, stride_row, first, dsc, q_r, offs_d, ROWS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics; rows outside [0, R) dropped)."""
+    """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics). No row mask: the launcher's DKR has
+    room for every window past R (``_dkr_buffer``)."""
     part = tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
-    c_rows = first + tl.arange(0, ROWS)
-    ok = ((c_rows >= 0) & (c_rows < R))[:, None] & (offs_d < HEAD_DIM)[None, :]
     # one scalar base per call and int32 offsets: 64-bit pointers per element kept across the key
     # loop would hold two registers each
     in_tile = tl.arange(0, ROWS)[:, None] * stride_row + offs_d[None, :]
-    tl.atomic_add((dkr_base + first * stride_row) + in_tile, part, mask=ok, sem="relaxed")
+    if offs_d.shape[0] == HEAD_DIM:
+        tl.atomic_add((dkr_base + first * stride_row) + in_tile, part, sem="relaxed")
+    else:
+        tl.atomic_add((dkr_base + first * stride_row) + in_tile, part, mask=(offs_d < HEAD_DIM)[None, :],
+                      sem="relaxed")
 
 
 @triton.jit
@@ -654,7 +657,7 @@ def _bwd_q_kernel(
             dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
             dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
             if DKR_ATOMIC:
-                _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, R, dsc, query.q_r, offs_d,
+                _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, dsc, query.q_r, offs_d,
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             ds_prev = ds_cur
             kr_lo = kr_hi
@@ -662,7 +665,7 @@ def _bwd_q_kernel(
         dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N)
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
-            _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R,
+            _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi,
                         dsc, query.q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
@@ -684,7 +687,7 @@ def _bwd_q_kernel(
                 dsc = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
                 dq = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
                 if DKR_ATOMIC:
-                    _dkr_atomic(dkr_base, dkr_stride_row, c0, R, dsc, query.q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
+                    _dkr_atomic(dkr_base, dkr_stride_row, c0, dsc, query.q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
                                 DOT_DTYPE, INPUT_PRECISION)
 
     # dQ = scale * (dS K + dS_shifted K_r + g_diff (seg_embed[1] - seg_embed[0])): rows' dS over

@@ -136,6 +136,41 @@ def test_fully_blocked_rows_are_zero_with_finite_grads():
     assert all(torch.isfinite(x).all() for x in g)
 
 
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64)])
+@pytest.mark.parametrize("name", ["dense_uni", "target_rows_with_padding", "head_dim_32_extra_k_r_rows",
+                                  "all_padding_rows"])
+def test_dk_r_windows_stay_inside_their_buffer(name, block_m, block_n, monkeypatch):
+    """Regression: the dQ kernel adds whole windows of k_r rows to its fp32 dk_r sums without a row
+    mask; the buffer's rows past R must hold every window (guard rows of -0.0 after it change
+    under any add, even of 0) and receive nothing but zeros. Writes past it went unnoticed: the
+    interpreter does not check addresses."""
+    from xlnet_fast import kernels
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
+    made, guard = [], 4 * block_n
+    make_buffer = kernels._dkr_buffer
+
+    def guarded(Br, R, qlen, K, H, D, device):
+        rows = make_buffer(Br, R, qlen, K, H, D, device)
+        full = torch.cat([rows, torch.full((Br, guard, H, D), -0.0, device=device)], dim=1)
+        made.append((full, R, rows.shape[1]))
+        return full
+
+    monkeypatch.setattr(kernels, "_dkr_buffer", guarded)
+    if name == "all_padding_rows":  # every row at position -1: the windows reach furthest
+        case = make_case(B=1, M=9, qlen=20, H=1, D=16, mlen=3, mask="rank", self_visible=False,
+                         q_pos=torch.full((1, 9), -1), dtype=torch.float32)
+    else:
+        case = make_case(**CASES[name], dtype=torch.float32)
+    case = case.to(device=DEVICE)
+    grads(triton_attention, case, torch.randn(case.q.shape, device=DEVICE))
+    (full, R, rows), = made
+    assert torch.equal(torch.signbit(full[:, rows:]), torch.ones_like(full[:, rows:], dtype=torch.bool))
+    assert not full[:, R:rows].any()
+
+
 @pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
 @pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding", "rank_content"])
 def test_tiles_not_square_match_eager(name, block_m, block_n, monkeypatch):
