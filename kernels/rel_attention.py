@@ -304,7 +304,7 @@ def _fwd_kernel(
     H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, keep_scale,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
 ):
     """One query tile of one (batch row, head): OUT (B, M, H, D) at the caller's rows, scaled by
     ``keep_scale`` (dropout's 1 / (1 - rate)), and LSE (B, H, M) the natural-log log-sum-exp of the
@@ -510,7 +510,8 @@ def _bwd_kv_kernel(
     stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_n_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, FIX_UP: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
+    FIX_UP: tl.constexpr = False,
 ):
     """One key tile: dK and dV over all query tiles (DK/DV are (B, K, H, D) contiguous); in PARTK
     (B*H, n_n_tiles, BLOCK_D) the tile's part of sum_ij dS_ij k_j (the r_w_bias gradient); with
@@ -601,6 +602,7 @@ def _bwd_q_kernel(
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    NUM_WARPS: tl.constexpr,
 ):
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
@@ -635,6 +637,12 @@ def _bwd_q_kernel(
         # the k_r rows of a window's lower half carry from the key tile before (its upper half), and
         # so does dS: the window rows of the lower half read this tile's dS and the previous one's
         kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+        # the product of the lower half carries too (one dot per key tile instead of two) where its
+        # fp32 tile takes at most 8 registers a thread; measured: 32x32w4 tiles gain (sm_90: 54.5 ->
+        # 48.5 inst/score), 32x32w2, 32x64w4 and 64x64 tiles spill more
+        CARRY_PRODUCT: tl.constexpr = BLOCK_M * BLOCK_N <= 8 * 32 * NUM_WARPS
+        if CARRY_PRODUCT:
+            raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
         unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + BLOCK_N
                                 + tl.arange(0, BLOCK_N)[None, :] - lag[:, None], [BLOCK_M * BLOCK_N])
@@ -643,7 +651,8 @@ def _bwd_q_kernel(
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
                                HEAD_DIM).to(DOT_DTYPE)
-            raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
+            if not CARRY_PRODUCT:
+                raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
             raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
             bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
             s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
@@ -661,6 +670,8 @@ def _bwd_q_kernel(
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             ds_prev = ds_cur
             kr_lo = kr_hi
+            if CARRY_PRODUCT:
+                raw_lo = raw_hi
         # the last window's upper half
         dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N)
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
@@ -709,7 +720,7 @@ def _bwd_kr_kernel(
     stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, batch_per_kr,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
 ):
     """Deterministic dk_r: one tile of BLOCK_N k_r rows owns its gradient and recomputes every
     score tile that reads it (over the batch rows sharing this k_r, and all query tiles)."""
@@ -804,8 +815,6 @@ for _family in CANDIDATES.values():  # the dK/dV kernel's FIX_UP launch (see _bw
     _family["fixup"] = _family["dkdv"]
 CANDIDATES[120] = CANDIDATES[86]  # RTX 50: the same 99 KB of shared memory and mma.sync
 ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
-# Tiles under the CPU interpreter (small shapes, fast to interpret).
-INTERPRETER_TILES = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
 # Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
 # launch above either raises OutOfResources (triton's own check at launch).
 SHARED_MEMORY_PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448,
@@ -846,8 +855,14 @@ def _config(name: str) -> triton.Config:
     block_m, block_n = (int(x) for x in tiles.split("x"))
     warps, rest = rest.split("s")
     stages, _, maxnreg = rest.partition("r")
-    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=int(warps), num_stages=int(stages),
-                         maxnreg=int(maxnreg) if maxnreg else None)
+    # the kernels see their warp count as NUM_WARPS (triton keeps num_warps from the kernel body):
+    # some layout choices depend on it
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "NUM_WARPS": int(warps)}, num_warps=int(warps),
+                         num_stages=int(stages), maxnreg=int(maxnreg) if maxnreg else None)
+
+
+# Tiles under the CPU interpreter (small shapes, fast to interpret).
+INTERPRETER_TILES = _config("16x16w4s1").all_kwargs()
 
 
 def all_configs() -> list:
