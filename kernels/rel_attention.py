@@ -535,9 +535,19 @@ def _bwd_kv_kernel(
     v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    # column sums of dS (every column of the product holds them)
-    ones = tl.full((BLOCK_M, COLSUM_WIDTH), 1.0, DOT_DTYPE)
-    col_sums = tl.zeros((BLOCK_N, COLSUM_WIDTH), tl.float32)
+    # column sums of dS (every row, or column, of the product holds them). Triton gives a chain of
+    # mma.sync dots the warp layout of the first it places (see _other_segment_sums): oriented
+    # (BLOCK_N, 16), the product puts the warps along the score tile's rows, each warp's 16 rows
+    # apart, and along its keys as (16, BLOCK_N). Along the keys where the rows are too few: 32-row
+    # tiles of 4 warps did every MMA twice (sm_80 32x32w4s1: 83.5 -> 69.1 inst/score); not on
+    # 64-key tiles, where on sm_90 the (BLOCK_N, 16) product is a wgmma (32x64w4s1: 48.2 -> 49.5)
+    COLSUMS_ALONG_KEYS: tl.constexpr = (BLOCK_M < 16 * NUM_WARPS) and (BLOCK_N < 64)
+    if COLSUMS_ALONG_KEYS:
+        ones = tl.full((COLSUM_WIDTH, BLOCK_M), 1.0, DOT_DTYPE)
+        col_sums = tl.zeros((COLSUM_WIDTH, BLOCK_N), tl.float32)
+    else:
+        ones = tl.full((BLOCK_M, COLSUM_WIDTH), 1.0, DOT_DTYPE)
+        col_sums = tl.zeros((BLOCK_N, COLSUM_WIDTH), tl.float32)
     m_end = M
     if SEGMENTS:
         seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
@@ -575,12 +585,18 @@ def _bwd_kv_kernel(
             dv += tl.dot(tl.trans(prob_d.to(DOT_DTYPE)), do, input_precision=INPUT_PRECISION)
             ds_t = tl.trans(ds.to(DOT_DTYPE))
             dk += tl.dot(ds_t, query.q_w, input_precision=INPUT_PRECISION)
-            col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
+            if COLSUMS_ALONG_KEYS:
+                col_sums = tl.dot(ones, ds.to(DOT_DTYPE), col_sums, input_precision=INPUT_PRECISION)
+            else:
+                col_sums = tl.dot(ds_t, ones, col_sums, input_precision=INPUT_PRECISION)
             if SEGMENTS:
                 tl.store(gp, _other_segment_sums(ds, query.seg, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE,
                                                  INPUT_PRECISION), mask=rows < M)
     if not FIX_UP:
-        col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
+        if COLSUMS_ALONG_KEYS:
+            col_sum = tl.sum(col_sums, axis=0) / COLSUM_WIDTH
+        else:
+            col_sum = tl.sum(col_sums, axis=1) / COLSUM_WIDTH
         # k again from memory: the loaded tile kept in registers through the loop costs a tile of them
         # (rows from a scalar base: pointers shared with the first load would be kept through the loop)
         k_out = _load_rows(K + b * stride_kb + h * stride_kh + n0 * stride_kn, stride_kn, 0, N_KEYS - n0, offs_d,

@@ -65,9 +65,12 @@ SHORTFALLS: dict = {
         (120, 128, "fwd"): {"dropout": 1.45},
     },
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
-        (80, 64, "dq"): {"spill": 80, "ratio": 4.4},  # 64 B (with dropout), 4.29x; targets 0 B, 3.5x
+        # 32x32w4s1r255: 16 B with dropout, dropout 1.41x; targets 0 B, 1.35x
+        (80, 64, "dq"): {"spill": 32, "dropout": 1.45},
         (80, 64, "fwd"): {"dropout": 1.55},  # 1.48x at 32x64; target 1.35x
-        (90, 64, "dq"): {"mma": "mma.sync", "ratio": 3.55},  # 32x32w4s1 (mma.sync) 3.41x; target 3.0x, wgmma
+        # 32x32w4s1 (mma.sync), 2.94x: 56 B of spill with dropout, where the product carried through
+        # the key loop costs triton 3.9 registers (3.6: spill-free); targets wgmma, 0 B
+        (90, 64, "dq"): {"mma": "mma.sync", "spill": 64},
     },
 }
 
