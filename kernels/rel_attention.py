@@ -824,7 +824,7 @@ CANDIDATES = {
          "dkr": ("64x64w4s2", "64x64w4s1", "32x64w4s1", "32x32w4s1")},
     100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1"),
           "dkdv": ("64x64w4s1", "32x64w4s1", "64x128w8s1", "32x32w2s2"),
-          "dq": ("64x64w8s2", "64x64w4s1", "32x64w4s1", "32x32w4s1", "64x128w8s1"),
+          "dq": ("64x64w8s2", "64x64w4s1", "32x64w4s1r255", "32x32w4s1", "64x128w8s1"),
           "dkr": ("64x64w4s1", "32x64w4s1", "32x32w4s1")},
 }
 for _family in CANDIDATES.values():  # the dK/dV kernel's FIX_UP launch (see _bwd_kv_kernel)
