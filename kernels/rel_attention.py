@@ -657,6 +657,11 @@ def _bwd_q_kernel(
         # fp32 tile takes at most 8 registers a thread; measured: 32x32w4 tiles gain (sm_90: 54.5 ->
         # 48.5 inst/score), 32x32w2, 32x64w4 and 64x64 tiles spill more
         CARRY_PRODUCT: tl.constexpr = BLOCK_M * BLOCK_N <= 8 * 32 * NUM_WARPS
+        # on those tiles past D=64 the k_r rows are read again (from L2) rather than kept through the
+        # loop: a (BLOCK_N, D) tile of them is 16 registers a thread at D=128 (sm_80 32x32w4s1: 664 ->
+        # 392 B of spill, 3 inst/score fewer; sm_90 176 -> 128 B, 2.6 more). Not on larger tiles: the
+        # second load's pipeline buffer took sm_100's 64x64w8s2 past its shared memory (197 -> 246 KB)
+        RELOAD_KR: tl.constexpr = CARRY_PRODUCT and HEAD_DIM > 64
         if CARRY_PRODUCT:
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
@@ -667,6 +672,8 @@ def _bwd_q_kernel(
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
                                HEAD_DIM).to(DOT_DTYPE)
+            if RELOAD_KR:
+                kr_lo = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             if not CARRY_PRODUCT:
                 raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
             raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
@@ -685,10 +692,14 @@ def _bwd_q_kernel(
                 _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, dsc, query.q_r, offs_d,
                             BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             ds_prev = ds_cur
-            kr_lo = kr_hi
+            if not RELOAD_KR:
+                kr_lo = kr_hi
             if CARRY_PRODUCT:
                 raw_lo = raw_hi
         # the last window's upper half
+        if RELOAD_KR:
+            kr_lo = _load_rows(kr_base, stride_rr, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R, offs_d,
+                               BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
         dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N)
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:

@@ -38,6 +38,8 @@ CASES = {
     "target_rows_with_padding": dict(B=2, M=21, qlen=40, H=1, D=16, mlen=7, mask="rank", self_visible=False,
                                      q_pos=torch.randint(-1, 40, (2, 21), generator=torch.Generator().manual_seed(1))),
     "head_dim_32_extra_k_r_rows": dict(B=1, M=17, H=1, D=32, mlen=2, R=60),
+    # past D=64 the dQ kernel reads its k_r rows again per key tile instead of carrying them
+    "head_dim_96_uni": dict(B=1, M=35, H=1, D=96, mlen=4, R=40),
 }
 
 
