@@ -173,18 +173,24 @@ def test_dk_r_windows_stay_inside_their_buffer(name, block_m, block_n, monkeypat
     assert not full[:, R:rows].any()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 32)])
 @pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding", "rank_content"])
-def test_tiles_not_square_match_eager(name, block_m, block_n, monkeypatch):
+def test_tiles_not_square_match_eager(name, block_m, block_n, deterministic, monkeypatch):
     """Regression: a tile taller than wide (BLOCK_M > BLOCK_N) took the banded path, whose window of
     2 * BLOCK_N k_r rows cannot hold BLOCK_M positions: wrong scores without an error (the GPU
-    configs had 128x64 tiles; the interpreter's are square, so no test saw it)."""
+    configs had 128x64 tiles; the interpreter's are square, so no test saw it). Deterministic too:
+    the dk_r kernel gathers dS transposed, which square tiles cannot check."""
     from xlnet_fast.kernels import rel_attention as ra
 
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
     case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
-    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    finally:
+        torch.use_deterministic_algorithms(False)
 
 
 def test_philox_reference_matches_the_published_known_answers():
