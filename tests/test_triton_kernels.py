@@ -43,13 +43,26 @@ CASES = {
 }
 
 
+# gradients that are sums over query rows which can cancel: a row of dS sums to 0, and r_s_bias's is
+# scale * sum(g_diff) * seg_delta, whose sum can be ~0 (1.6e-3 of the q gradient's norm for one
+# dout in 200: fp32's error then reached 1.2e-4 of it, a flaky failure)
+ROW_SUMS = ("r_w_bias", "r_r_bias", "r_s_bias", "seg_embed")
+
+
+def assert_grads_match(g_tri, g_ref, tol=1e-4):
+    """Each gradient within ``tol`` of the float64 one, relative to its norm; the row sums' error
+    relative to the scale of what they sum (the q gradient's norm) where that is larger."""
+    scale = float(g_ref[GRAD_NAMES.index("q")].double().norm())
+    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
+        assert rel_err(a, b, floor=scale if n in ROW_SUMS else 1e-12) < tol, n
+
+
 def assert_matches_eager(case, dout):
     """The triton backend's output and gradients on ``case`` against the float64 eager path."""
     out, g_tri = grads(triton_attention, case, dout)
     ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     assert rel(out, ref_out) < 1e-5
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4, n
+    assert_grads_match(g_tri, g_ref)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -62,13 +75,11 @@ def test_forward_backward_match_eager_and_reference(name, deterministic):
         out, g_tri = grads(triton_attention, case, dout)
     finally:
         torch.use_deterministic_algorithms(False)
-    # fp32 kernels against the float64 eager path (itself checked against the literal reference);
-    # bias gradients are sums of dS that cancel (rows of dS sum to 0), hence 1e-4
+    # fp32 kernels against the float64 eager path (itself checked against the literal reference)
     case64 = case.to(dtype=torch.float64)
     ref_out, g_ref = grads(eager_attention, case64, dout.double())
     assert rel(out, ref_out) < 1e-5
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4, n
+    assert_grads_match(g_tri, g_ref)
     assert rel(out, case64.to(device="cpu").call(reference_attention)) < 1e-5
 
 
@@ -171,6 +182,23 @@ def test_dk_r_windows_stay_inside_their_buffer(name, block_m, block_n, monkeypat
     (full, R, rows), = made
     assert torch.equal(torch.signbit(full[:, rows:]), torch.ones_like(full[:, rows:], dtype=torch.bool))
     assert not full[:, R:rows].any()
+
+
+def test_row_sum_gradients_are_judged_at_the_scale_of_their_terms(monkeypatch):
+    """Regression (a flaky failure): for this dout r_s_bias's gradient nearly cancels (1.6e-3 of
+    the q gradient's norm) and fp32's error was 1.2e-4 of it, over the old 1e-4 relative bound;
+    against the scale of what it sums the error is 2e-7."""
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", 16)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", 32)
+    case = make_case(**CASES["target_rows_with_padding"], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(178)).to(DEVICE)
+    _, g_tri = grads(triton_attention, case, dout)
+    _, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    r_s = GRAD_NAMES.index("r_s_bias")
+    assert g_ref[r_s].norm() < 1e-2 * g_ref[GRAD_NAMES.index("q")].norm()  # the cancelling case
+    assert_grads_match(g_tri, g_ref, tol=1e-5)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
