@@ -50,11 +50,15 @@ ROW_SUMS = ("r_w_bias", "r_r_bias", "r_s_bias", "seg_embed")
 
 
 def assert_grads_match(g_tri, g_ref, tol=1e-4):
-    """Each gradient within ``tol`` of the float64 one, relative to its norm; the row sums' error
-    relative to the scale of what they sum (the q gradient's norm) where that is larger."""
+    """Each gradient within ``tol`` of the float64 one, relative to its norm; the row sums within
+    ``tol / 10`` relative to the larger of their norm and the scale of what they sum (the q
+    gradient's norm): tighter than ``tol`` of their own norm unless they nearly cancel."""
     scale = float(g_ref[GRAD_NAMES.index("q")].double().norm())
     for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel_err(a, b, floor=scale if n in ROW_SUMS else 1e-12) < tol, n
+        if n in ROW_SUMS:
+            assert rel_err(a, b, floor=scale) < tol / 10, n
+        else:
+            assert rel_err(a, b, floor=1e-12) < tol, n
 
 
 def assert_matches_eager(case, dout):
@@ -187,7 +191,7 @@ def test_dk_r_windows_stay_inside_their_buffer(name, block_m, block_n, monkeypat
 def test_row_sum_gradients_are_judged_at_the_scale_of_their_terms(monkeypatch):
     """Regression (a flaky failure): for this dout r_s_bias's gradient nearly cancels (1.6e-3 of
     the q gradient's norm) and fp32's error was 1.2e-4 of it, over the old 1e-4 relative bound;
-    against the scale of what it sums the error is 2e-7."""
+    against the scale of what it sums the error is 2e-7, well within the row sums' 1e-5."""
     from xlnet_fast.kernels import rel_attention as ra
 
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", 16)
@@ -198,7 +202,7 @@ def test_row_sum_gradients_are_judged_at_the_scale_of_their_terms(monkeypatch):
     _, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     r_s = GRAD_NAMES.index("r_s_bias")
     assert g_ref[r_s].norm() < 1e-2 * g_ref[GRAD_NAMES.index("q")].norm()  # the cancelling case
-    assert_grads_match(g_tri, g_ref, tol=1e-5)
+    assert_grads_match(g_tri, g_ref)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
