@@ -254,11 +254,16 @@ def _run(role: str, grid, kwargs: dict, deterministic: bool) -> None:
         getattr(_k, _TUNED[role])[grid](**kwargs)
 
 
+def _tile_sizes(name: str) -> list:
+    """Every BLOCK_M or BLOCK_N a launch may pick (the interpreter's, else any config's)."""
+    if interpreting():
+        return [_k.INTERPRETER_TILES[name]]
+    return [c.kwargs[name] for c in _k.all_configs()]
+
+
 def _smallest_tile(name: str) -> int:
     """The smallest BLOCK_M or BLOCK_N any config may pick: partial-sum tables are sized for it."""
-    if interpreting():
-        return _k.INTERPRETER_TILES[name]
-    return min(c.kwargs[name] for c in _k.all_configs())
+    return min(_tile_sizes(name))
 
 
 def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> torch.Tensor:
@@ -266,8 +271,8 @@ def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> t
     which adds whole windows of k_r rows without a row mask: row ``qlen + j - position`` for key j,
     windows of up to 2 * BLOCK_N rows starting below R or at most ``qlen + K + BLOCK_N`` (positions
     >= -1). The rows past R receive zeros (their scores are masked)."""
-    widest = _k.INTERPRETER_TILES["BLOCK_N"] if interpreting() else max(c.kwargs["BLOCK_N"] for c in _k.all_configs())
-    return torch.zeros((Br, max(R, qlen + K) + 2 * widest, H, D), dtype=torch.float32, device=device)
+    rows = max(R, qlen + K) + 2 * max(_tile_sizes("BLOCK_N"))
+    return torch.zeros((Br, rows, H, D), dtype=torch.float32, device=device)
 
 
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
