@@ -953,7 +953,9 @@ def _prune(role: str, fn):
     compiled: the autotuner would compile it to time it anyway)."""
 
     def prune(configs, named_args, **kwargs):
-        args = {**named_args, **kwargs}
+        # the autotuner passes its launch options (``grid``, ``warmup``) along with the kernel's
+        # arguments: keep the kernel's own, which is what a compile of one config takes
+        args = {name: value for name, value in {**named_args, **kwargs}.items() if name in fn.arg_names}
         arch = _TARGET_ARCH if _TARGET_ARCH is not None else _device_arch(args["QW"].device)
         given = {config_name(c): c for c in configs}
         chosen = [given[name] for name in map(config_name, configs_for(arch, args["HEAD_DIM"], role))
@@ -961,9 +963,12 @@ def _prune(role: str, fn):
         if _TARGET_ARCH is not None:
             return chosen
         fits = [c for c in chosen if _launches_on_device(fn, args, c)]
+        # none of the device's candidates fits (e.g. the autotuner pinned to configs too large for
+        # this call): the first of the others that does
+        fits = fits or next(([c] for c in configs if c not in chosen and _launches_on_device(fn, args, c)), [])
         if not fits:
             raise RuntimeError(f"no {role} kernel config fits this GPU (sm_{arch}, HEAD_DIM={args['HEAD_DIM']}): "
-                               f"tried {[config_name(c) for c in chosen]}")
+                               f"tried {[config_name(c) for c in configs]}")
         return fits
 
     return prune

@@ -211,7 +211,7 @@ class _Tuner:
 def test_autotuners_pinned_and_restored_and_their_choices_recorded():
     kernels = pinned_configs.tuned_kernels()
     names = pinned_configs.all_config_names()
-    assert len(names) == len(set(names)) > 1 and campaign.PYTEST_CONFIG in names
+    assert len(names) == len(set(names)) > 1 and set(campaign.PYTEST_CONFIGS) <= set(names)
     before = {n: list(k.configs) for n, k in kernels.items()}
     kernels["fwd_kernel_tuned"].cache[("a key",)] = kernels["fwd_kernel_tuned"].configs[0]
     try:

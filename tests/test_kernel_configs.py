@@ -82,6 +82,38 @@ def test_on_a_device_the_prune_keeps_what_launches_in_candidate_order(monkeypatc
         ra.first_launchable("dq", ra._bwd_q_kernel, args)
 
 
+def test_the_autotuners_own_prune_call_compiles_with_the_kernels_arguments_only(monkeypatch):
+    """Regression (first GPU run, triton 3.6): the autotuner hands ``early_config_prune`` its launch
+    options ``grid`` and ``warmup`` with the kernel's arguments; passed on to the compile, every tuned
+    launch raised "warmup() got multiple values for keyword argument 'grid'"."""
+    import torch
+
+    seen = []
+    monkeypatch.setattr(ra, "_device_arch", lambda device: 90)
+    monkeypatch.setattr(ra, "_launches_on_device", lambda fn, args, config: seen.append(set(args)) or True)
+    tuner = ra.bwd_q_kernel_tuned
+    tuner.nargs = {"QW": torch.empty(1)}
+    try:
+        kept = tuner.prune_configs({"HEAD_DIM": 64, "grid": (1,), "warmup": False})
+    finally:
+        tuner.nargs = None
+    assert [ra.config_name(c) for c in kept] == [ra.config_name(c) for c in ra.configs_for(90, 64, "dq")]
+    assert seen and all(args == {"QW", "HEAD_DIM"} for args in seen)
+
+
+def test_when_no_candidate_fits_the_prune_takes_another_config_that_does(monkeypatch):
+    """Regression (first GPU run): the suite pinned to 64x64w4s1 gave an fp32 D=96 dK/dV launch
+    278,528 B of shared memory on an H200 (232,448 B allowed); a smaller config among the autotuner's
+    is taken instead."""
+    import torch
+
+    monkeypatch.setattr(ra, "_device_arch", lambda device: 90)
+    monkeypatch.setattr(ra, "_launches_on_device", lambda fn, args, config: config.kwargs["BLOCK_N"] == 32)
+    pinned = [ra._config("64x64w4s1"), ra._config("32x32w4s1")]
+    kept = ra._prune("dkdv", ra._bwd_kv_kernel)(pinned, {}, QW=torch.empty(1), HEAD_DIM=128)
+    assert [ra.config_name(c) for c in kept] == ["32x32w4s1"]
+
+
 @pytest.fixture
 def tf32_switch():
     import torch
