@@ -239,6 +239,31 @@ def test_no_nan_with_padding_rows_and_fully_blocked_targets(backend, dtype):
     assert all(_finite(p.grad.float()) for p in m.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_training_step_under_autocast_with_float32_weights(backend):
+    """Regression (first GPU run): pretraining's bf16 autocast with float32 weights raised "r_w_bias
+    must have dtype in ['torch.bfloat16']" in both models; the loss under autocast stays close to the
+    float32 one and every weight gets a finite float32 gradient."""
+    torch.manual_seed(0)
+    xlnet = XLNetLMHeadModel(XLNetConfig(**dict(SMALL, n_layer=1), attn_backend=backend))
+    transfo_xl = xlnet_fast.TransfoXLLMHeadModel(xlnet_fast.TransfoXLConfig(
+        vocab_size=50, cutoffs=[], d_model=32, d_embed=32, n_head=2, d_head=16, d_inner=64, n_layer=1, mem_len=4,
+        attn_backend=backend))
+    x = ids()
+    target_pos = torch.tensor([[1, 4]] * B)
+    calls = [(xlnet, dict(token_type_ids=(torch.arange(L) >= 3).long().expand(B, L), target_pos=target_pos,
+                          labels=x.gather(1, target_pos), **ranks())),
+             (transfo_xl, dict(labels=x))]
+    for model, kwargs in calls:
+        plain = model(x, **kwargs).loss
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, **kwargs).loss
+        loss.backward()
+        assert rel_err(loss.float(), plain) < 2e-2, type(model).__name__
+        assert all(p.grad.dtype == torch.float32 and _finite(p.grad) for p in model.parameters() if p.grad is not None)
+
+
 def test_long_sequence_eager_bf16_is_finite():
     torch.manual_seed(0)
     m = XLNetModel(XLNetConfig(**dict(SMALL, n_layer=1), attn_backend="eager")).to(torch.bfloat16)

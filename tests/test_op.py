@@ -322,3 +322,23 @@ def test_cpu_calls_without_the_interpreter_leave_the_kernels_unimported():
             "assert 'xlnet_fast.kernels' not in sys.modules\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_under_autocast_float32_arguments_are_taken_in_the_autocast_dtype(backend):
+    """Regression (first GPU run): under torch.autocast a model's projections come out in bf16 while
+    its bias parameters stay float32, and the op refused the mix ("r_w_bias must have dtype in
+    ['torch.bfloat16']"). It now computes as on the arguments cast to the autocast dtype, and the
+    float32 leaves get float32 gradients."""
+    case = make_case(dtype=torch.float32, mask="rank", self_visible=False, seed=3)
+    leaves = {name: getattr(case, name).clone().requires_grad_() for name in GRAD_NAMES}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = case.replace(**leaves).call(rel_attention, backend=backend)
+    cast = case.replace(**{name: getattr(case, name).to(torch.bfloat16) for name in GRAD_NAMES})
+    assert out.dtype == torch.bfloat16
+    ref = cast.call(rel_attention, backend=backend)
+    assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
+    out.float().square().sum().backward()
+    assert all(x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all() for x in leaves.values())
+    with pytest.raises(TypeError, match="r_w_bias must have dtype"):  # outside autocast: refused as before
+        cast.replace(r_w_bias=case.r_w_bias).call(rel_attention, backend=backend)

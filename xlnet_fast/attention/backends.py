@@ -84,10 +84,12 @@ def _implementation(backend: str):
 
 
 def run_backend(backend: str, name: str, *args):
-    """``forward``/``backward`` of a concrete backend; an out-of-memory error of the eager path says
-    what to use instead."""
+    """``forward``/``backward`` of a concrete backend, with torch.autocast off (the arguments come in
+    the dtype they compute in; the backends choose their own accumulation precision); an
+    out-of-memory error of the eager path says what to use instead."""
     try:
-        return getattr(_implementation(backend), name)(*args)
+        with torch.autocast(args[0].device.type, enabled=False):
+            return getattr(_implementation(backend), name)(*args)
     except torch.OutOfMemoryError as exc:
         if backend != "eager":
             raise

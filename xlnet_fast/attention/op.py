@@ -108,6 +108,18 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 # --------------------------------------------------------------------------------------------------
 
 
+def _autocast(*tensors):
+    """``tensors`` as the op computes on them: under ``torch.autocast`` on the first one's device, the
+    floating ones in the autocast dtype (the op is a product of matrices, like ``torch.matmul``; a
+    model's bias parameters stay float32 there while its projections come out in the autocast
+    dtype); otherwise, and for anything that is not a floating tensor, as given."""
+    lead = tensors[0]
+    if not isinstance(lead, Tensor) or not torch.is_autocast_enabled(lead.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(lead.device.type)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
+
+
 def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str) -> Tensor:
     resolved = backend_for_call(backend, *dense[:4])
     if a.dropout_p > 0:
@@ -154,7 +166,10 @@ def rel_attention(
     qlen: int, the current segment's length (default M).
     scale: float, default ``1/sqrt(D)``. dropout_p: float in [0, 1) on the probabilities.
     backend: ``"auto"``, ``"eager"`` or ``"triton"`` (forced: never falls back).
+    Under ``torch.autocast`` the float tensors are taken in the autocast dtype.
     """
+    q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias,
+                                                                      seg_embed)
     a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg,
                  k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=qlen,
                  self_visible=self_visible, scale=scale, dropout_p=dropout_p)
@@ -193,6 +208,8 @@ def rel_attention_two_stream(
     attn_mask: ``(B, L, K)`` for the content stream with attn_mask_g: ``(B, P, K)`` for the targets.
     The other arguments as in ``rel_attention``. Returns ``(out_h (B, L, H, D), out_g (B, P, H, D))``.
     """
+    q_h, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(q_h, q_g, k, v, k_r, r_w_bias, r_r_bias,
+                                                                             r_s_bias, seg_embed)
     check_tensor("q_h", q_h, 4)
     B, L = q_h.shape[:2]
     check_tensor("q_g", q_g, 4, (B, None) + tuple(q_h.shape[2:]), (q_h.dtype,), q_h.device)
@@ -223,5 +240,7 @@ def attention_probabilities(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs) -> Tenso
     """Eager attention probabilities ``(B, H, M, K)`` for ``rel_attention``'s arguments, before
     dropout (``dropout_p`` and ``backend`` are ignored); used for ``output_attentions``."""
     kwargs = {name: value for name, value in kwargs.items() if name not in ("backend", "dropout_p")}
-    a = validate(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs)
+    q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(
+        q, k, v, k_r, r_w_bias, r_r_bias, kwargs.pop("r_s_bias", None), kwargs.pop("seg_embed", None))
+    a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, **kwargs)
     return eager.probabilities(q, k, k_r, r_w_bias, r_r_bias, a)

@@ -66,7 +66,8 @@ class AdaptiveEmbedding(nn.Module):
         for (lo, hi), table, proj in zip(self.bounds, self.emb_layers, self.emb_projs):
             rows = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
             if rows.numel():
-                embed = embed.index_put((rows,), F.linear(table(flat[rows] - lo), proj))
+                # in the weights' dtype: under autocast F.linear gives the autocast dtype
+                embed = embed.index_put((rows,), F.linear(table(flat[rows] - lo), proj).to(embed.dtype))
         return embed.view(*ids.shape, self.d_proj) * self.emb_scale
 
 
