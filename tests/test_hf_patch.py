@@ -79,8 +79,11 @@ def test_patched_instance_matches_unpatched(name, two_stream, monkeypatch):
 
 
 def test_patched_with_triton_backend(no_hf_attention_core):
-    ref_model = hf_model("XLNetLMHeadModel", d_model=32, n_head=2, n_layer=1)
+    """On CPU in Triton's interpreter; on a GPU (the campaign runs it there) the compiled kernels."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref_model = hf_model("XLNetLMHeadModel", d_model=32, n_head=2, n_layer=1).to(device)
     ids, kw = inputs(two_stream=True)
+    ids, kw = ids.to(device), {name: value.to(device) for name, value in kw.items()}
     patched = xlnet_fast.patch_transformers(copy.deepcopy(ref_model), backend="triton")
     out, grads = run_with_grads(patched, ids, kw)
     eager = xlnet_fast.patch_transformers(copy.deepcopy(ref_model), backend="eager")
