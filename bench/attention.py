@@ -133,12 +133,15 @@ def _flex_call(leaves: dict, index: dict):
         bd = torch.einsum("bmhd,brhd->bhmr", q + leaves["r_r_bias"], k_r_b)
         if segments:
             q_seg, k_seg = index["q_seg"], index["k_seg"]
-            ef = torch.einsum("bmhd,shd->bhms", q + leaves["r_s_bias"], leaves["seg_embed"])
+            # one tensor per segment relation: FlexAttention's backward refuses a tensor that
+            # requires grad indexed twice in a score_mod
+            ef_same, ef_diff = (torch.einsum("bmhd,hd->bhm", q + leaves["r_s_bias"], leaves["seg_embed"][s])
+                                for s in (0, 1))
 
         def score_mod(score, b, h, i, j):
             extra = bd[b, h, i, qlen + j - i]
             if segments:
-                extra = extra + torch.where(q_seg[b, i] == k_seg[b, j], ef[b, h, i, 0], ef[b, h, i, 1])
+                extra = extra + torch.where(q_seg[b, i] == k_seg[b, j], ef_same[b, h, i], ef_diff[b, h, i])
             return score + extra * scale
 
         out = flex((q + leaves["r_w_bias"]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -269,9 +272,20 @@ def _cpu_plan(plan: list) -> int | None:
     return None
 
 
-def unavailable(provider: str, mode: str, device: str) -> str | None:
-    """Why ``provider`` cannot run in ``mode`` here, or None (on CPU the Triton providers need
-    Triton's interpreter)."""
+# FlexAttention's largest (B, H, M, R) position-score table measured: at L=4096, B=4 (2.3e9
+# elements) it ran; at L=16384, B=1 (8.7e9) its forward hit an illegal memory access that lost the
+# CUDA context (H200, torch 2.11, 2026-11-26), so larger tables are skipped.
+FLEX_MAX_POSITION_SCORES = 2**32
+
+
+def unavailable(provider: str, mode: str, device: str, case: cases.AttentionCase | None = None) -> str | None:
+    """Why ``provider`` cannot run in ``mode`` on ``case`` here, or None (on CPU the Triton providers
+    need Triton's interpreter)."""
+    if provider == "flex" and case is not None:
+        scores = case.B * case.H * case.qlen * case.rlen
+        if scores > FLEX_MAX_POSITION_SCORES:
+            return (f"its (B, H, M, R) position scores ({scores:.2g} elements) exceed the {FLEX_MAX_POSITION_SCORES:.2g} "
+                    "measured to run (more crashed the CUDA context)")
     if device == "cuda":
         return None
     if provider == "sdpa_flash":
@@ -321,6 +335,11 @@ def main(argv=None) -> int:
         if drawn != case:
             inputs = None  # free the previous case's tensors first
             inputs, drawn = cases.attention_inputs(case, device), case
+        why = unavailable(prov, mode, device, case)
+        if why:
+            print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {prov:14} "
+                  f"skipped: {why}", flush=True)
+            continue
         records.append({**env, **measure(inputs, case, dtype_name, mode, prov, device)})
     runner.write_records(args, RECORDS, records)
     return 0

@@ -41,6 +41,16 @@ def test_flex_provider_computes_xlnet_attention(extra):
     torch.testing.assert_close(flex, attention.provider_output("eager", inputs), rtol=1e-4, atol=1e-5)
 
 
+def test_flex_is_skipped_past_the_position_score_table_measured_to_run():
+    """Regression (first GPU run): FlexAttention at L=16384 (an 8.7e9-element position-score table)
+    hit an illegal memory access that lost the CUDA context for the rest of the sweep."""
+    largest_run = cases.AttentionCase(B=4, H=16, qlen=4096, mlen=384, D=64)
+    crashed = cases.AttentionCase(B=1, H=16, qlen=16384, mlen=384, D=64)
+    assert attention.unavailable("flex", "fwd", "cuda", largest_run) is None
+    assert "position scores" in attention.unavailable("flex", "fwd_bwd", "cuda", crashed)
+    assert attention.unavailable("xlnet_fast", "fwd", "cuda", crashed) is None
+
+
 @pytest.mark.parametrize("L", [128, 512])
 def test_benchmark_eager_op_fwd_bwd(benchmark, L):
     inputs = cases.attention_inputs(cases.AttentionCase(B=1, H=4, qlen=L, mlen=0, D=64, dtype=torch.float32))
