@@ -54,7 +54,7 @@ import triton
 from bench import runner
 from bench.compiler import aot
 from bench.compiler.launches import DTYPES, ROLES, ROW_HEADER, Case, compile_all, log, op_tasks, reference_tasks, row
-from bench.compiler.targets import attach_dropout_overhead, attach_ratios, number, summarise
+from bench.compiler.targets import attach_dropout_overhead, attach_ratios, launchability, number, summarise
 
 ARCHS = (80, 86, 89, 90, 100, 120)
 REPORT = "compile_report.json"  # --json's default, in the cache directory
@@ -89,6 +89,16 @@ def summary_line(s: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
+
+
+def operand_problem(r: dict) -> str | None:
+    """What is wrong with an operand kernel's binary (a one-pass kernel: no spill, launchable), or None."""
+    where = f"sm_{r['arch']} D={r['D']} {r['kernel']}"
+    if r.get("error"):
+        return f"{where}: {r['error']}"
+    if r["spill_bytes"] or not r["launchable"]:
+        return f"{where}: {r['spill_bytes']} B of spill, {r['smem_bytes']} B shared memory"
+    return None
 
 
 def all_cases(dims: list, streams: list, dropouts: list, deterministic: list, dtypes=("bf16",)) -> list:
@@ -154,12 +164,16 @@ def main(argv=None) -> int:
                           [d == "on" for d in args.deterministic], args.dtype)
     configs, first = set(args.configs or []), args.candidates == "first"
     started = time.perf_counter()
-    op = [task for arch in args.arch for task in op_tasks(arch, scenarios, configs, first)]
+    op, operand_tasks = [], []
+    for arch in args.arch:
+        attention_tasks, operand_tasks_of_arch = op_tasks(arch, scenarios, configs, first)
+        op, operand_tasks = op + attention_tasks, operand_tasks + operand_tasks_of_arch
     refs = [] if args.no_reference else reference_tasks(op)
     log(f"captured {len(op)} op and {len(refs)} reference launches for sm_{', sm_'.join(map(str, args.arch))} "
         f"({len(scenarios)} scenarios) in {time.perf_counter() - started:.0f} s")
-    compiled = compile_all(op + refs, args.jobs, use_cache=not args.no_cache)
-    records, references = compiled[:len(op)], compiled[len(op):]
+    compiled = compile_all(op + refs + operand_tasks, args.jobs, use_cache=not args.no_cache)
+    records, references = compiled[:len(op)], compiled[len(op):len(op) + len(refs)]
+    operand_records = [launchability({**t.info, **r}) for t, r in zip(operand_tasks, compiled[len(op) + len(refs):])]
     attach_ratios(records, references)
     attach_dropout_overhead(records)
     summary = summarise(records, all_candidates=not configs and not first)
@@ -184,12 +198,18 @@ def main(argv=None) -> int:
         print()
     for s in summary:
         print(summary_line(s))
+    operand_problems = [operand_problem(r) for r in operand_records if operand_problem(r)]
+    for r in operand_records:
+        segments = " with segments" if r["flags"].get("SEGMENTS") else ""
+        print(operand_problem(r) or f"sm_{r['arch']} D={r['D']} {r['kernel']}{segments}: {r['regs']} registers, "
+              f"no spill, {r['smem_bytes']} B shared memory")
     print(f"\nwrote {len(records)} records and {len(references)} reference records to {where} "
           f"({runner.duration(time.perf_counter() - started)})")
     failed = []
     for flag, field, word in ((args.check, "problems", "CHECK"), (args.gate, "regressions", "GATE")):
         if flag:
             failed += [f"{word} FAILED: sm_{s['arch']} D={s['D']} {s['role']}: {p}" for s in summary for p in s[field]]
+            failed += [f"{word} FAILED: {p}" for p in operand_problems]
             if not records:
                 failed.append(f"{word} FAILED: nothing was compiled")
     for line in failed:

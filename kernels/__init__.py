@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
-from .contract import (E_DELTA, E_FIELDS, E_SAME, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
+from .contract import (E_FIELDS, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
                        MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK,
                        ROW_SEG, ROW_SRC, interpreting)
 
@@ -18,6 +18,7 @@ _IMPORT_ERROR: str | None = None
 try:
     import triton
 
+    from . import operands as _operands
     from . import rel_attention as _k
 except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
@@ -154,34 +155,39 @@ def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and interpreting() else dtype
 
 
-def _in_row_order(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """(B, M, H, D) in the caller's rows -> (B, M, H, D) in the kernels' row order (``src (B, M)``)."""
-    B, M, H, D = t.shape
-    return t.gather(1, src[:, :, None, None].expand(B, M, H, D))
-
-
 def _query_operands(q, r_w_bias, r_r_bias, a, rows) -> dict:
     """The query side every kernel reads, per row in the kernels' order (by position), computed
-    once here rather than per tile: ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise
-    with ``r_r_bias`` as (B, H, M, D) in the dot dtype (padding rows zero), and ``E`` (B, H, M,
-    E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) * scale * log2(e)`` dotted with
-    ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
+    once here rather than per tile (``operands._query_operands_kernel``, one pass over q):
+    ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise with ``r_r_bias`` as (B, H, M, D)
+    in the dot dtype, and ``E`` (B, H, M, E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) *
+    scale * log2(e)`` dotted with ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
     B, M, H, D = q.shape
-    real = (rows[..., ROW_RANK] != INT32_MIN)[:, :, None, None]
-    q_rows = torch.where(real, _in_row_order(q, rows[..., ROW_SRC].long()).float(), 0.0)
-    qk_scale = a.scale * LOG2E
     dot = _dot_torch_dtype(q.dtype)
+    qw = torch.empty((B, H, M, D), dtype=dot, device=q.device)
+    qr = torch.empty_like(qw)
+    e = torch.empty((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
+    segments = a.seg_embed is not None
+    r_s, seg = (a.r_s_bias.contiguous(), a.seg_embed.contiguous()) if segments else (r_w_bias, r_w_bias)
+    _operands._query_operands_kernel[(triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H)](
+        q, rows, r_w_bias.contiguous(), r_r_bias.contiguous(), r_s, seg, qw, qr, e, *q.stride(), M, H,
+        a.scale * LOG2E, SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=_operands.ROWS_PER_PROGRAM)
+    return dict(QW=qw, QR=qr, E=e)
 
-    def operand(bias):
-        return ((q_rows + bias.float()) * qk_scale).to(dot).transpose(1, 2).contiguous()
 
-    e = torch.zeros((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
-    if a.seg_embed is not None:
-        q_s = (q_rows + a.r_s_bias.float()) * qk_scale
-        seg = a.seg_embed.float()
-        e[..., E_SAME] = torch.einsum("bmhd,hd->bhm", q_s, seg[0])
-        e[..., E_DELTA] = torch.einsum("bmhd,hd->bhm", q_s, seg[1] - seg[0])
-    return dict(QW=operand(r_w_bias), QR=operand(r_r_bias), E=e)
+def _grad_operands(dout, out, lse, args: dict, dropout_p: float) -> dict:
+    """The backward's row operands in the kernels' order (``operands._grad_operands_kernel``, one
+    pass over dO and O): ``DO`` (B, H, M, D) in the dot dtype, dO times the dropout keep scale (dP
+    and dV take it: 1 / (1 - rate) applied once here, not per score); ``DELTA`` (B, H, M) fp32,
+    rowsum(dO * O); ``LSE2`` (B, H, M) fp32, the lse in base 2 less the same-segment term that the
+    recomputed scores leave out."""
+    B, M, H, D = dout.shape
+    do = torch.empty((B, H, M, D), dtype=args["QW"].dtype, device=dout.device)
+    delta = torch.empty((B, H, M), dtype=torch.float32, device=dout.device)
+    lse2 = torch.empty_like(delta)
+    _operands._grad_operands_kernel[(triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H)](
+        dout, out, lse.contiguous(), args["ROWS"], args["E"], do, lse2, delta, *dout.stride(), *out.stride(), M, H,
+        _keep_scale(dropout_p), HEAD_DIM=D, BLOCK_D=args["BLOCK_D"], BLOCK_M=_operands.ROWS_PER_PROGRAM)
+    return dict(DO=do, LSE2=lse2, DELTA=delta)
 
 
 def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -300,16 +306,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     K, Br, R = k.shape[1], k_r.shape[0], k_r.shape[1]
     args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
     block_d = args["BLOCK_D"]
-    # dO, the lse and delta = rowsum(dO * O) in the kernels' row order, per (b, h): the lse in base 2
-    # less the same-segment term that the recomputed scores leave out; dO times the dropout keep
-    # scale (dP and dV take it: 1 / (1 - rate) applied once here, not per score)
-    src = args["ROWS"][..., ROW_SRC].long()
-    dout_rows = _in_row_order(dout, src).float()
-    delta = (dout_rows * _in_row_order(out, src).float()).sum(-1).transpose(1, 2).contiguous()
-    src_bh = src[:, None, :].expand(B, H, M)
-    lse2 = (lse.gather(2, src_bh) * LOG2E - args["E"][..., E_SAME]).contiguous()
-    do = (dout_rows * _keep_scale(a.dropout_p)).to(args["QW"].dtype).transpose(1, 2).contiguous()
-    grad_io = dict(DO=do, LSE2=lse2, DELTA=delta)
+    grad_io = _grad_operands(dout, out, lse, args, a.dropout_p)
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, K, H, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
@@ -349,10 +346,14 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic:
     dr_r = part.view(B, H, n_m_tiles, block_d).sum((0, 2))[:, :D] * scale - dr_w
     if segments:
         # over keys of its own segment a row's dS sums to -g_diff; the segment term is
-        # scale * (q + r_s_bias) . seg_embed[same or not]
-        real = (args["ROWS"][..., ROW_RANK] != INT32_MIN)[:, :, None, None]
-        q_s = torch.where(real, _in_row_order(q, src).float() + a.r_s_bias.float(), 0.0)
-        dseg_1 = scale * torch.einsum("bhm,bmhd->hd", g_diff, q_s)
+        # scale * (q + r_s_bias) . seg_embed[same or not], with a padding row's q taken as zero:
+        # sum over rows of g_diff * (q + r_s_bias), q's rows matched to g_diff's by ROW_SRC
+        rows = args["ROWS"]
+        g_real = torch.where((rows[..., ROW_RANK] != INT32_MIN)[:, None, :], g_diff, 0.0)
+        src_bh = rows[..., ROW_SRC].long()[:, None, :].expand(B, H, M)
+        g_caller = torch.empty_like(g_real).scatter_(2, src_bh, g_real)
+        dseg_1 = scale * (torch.einsum("bhm,bmhd->hd", g_caller, q.float())
+                          + g_real.sum((0, 2))[:, None] * a.r_s_bias.float())
         dr_s = (scale * g_diff.sum((0, 2))[:, None] * seg_delta).to(a.r_s_bias.dtype)
         dseg = torch.stack([-dseg_1, dseg_1]).to(a.seg_embed.dtype)
     else:

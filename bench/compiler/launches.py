@@ -218,12 +218,24 @@ class Task:
     info: dict  # the record's fields known before compiling
 
 
-def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> list:
-    """One task per distinct binary the scenarios' launches make on ``arch``."""
+def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> tuple[list, list]:
+    """One task per distinct binary the scenarios' launches make on ``arch``: the attention kernels'
+    (at ``configs``, or the first candidate only), and apart the operand kernels' (``operands.py``:
+    one pass over their inputs each, no config to choose and nothing to compare with)."""
+    from xlnet_fast.kernels import operands
+
     tasks: dict = {}
+    operand_tasks: dict = {}
     for case in scenarios:
         for launch in capture(op_calls(case), arch):
             name, labels = config_name(launch), launch.labels
+            if launch.fn in operands.KERNELS:
+                key = aot.compile_key(launch, arch)
+                operand_tasks.setdefault(key, Task(arch, launch, key, {
+                    "arch": arch, "kernel": launch.name, "role": "operands", "candidate": None, "D": case.D,
+                    "dtype": case.dtype, "scenarios": [], "flags": _flags(launch), "config": name}))
+                operand_tasks[key].info["scenarios"].append(case.label)
+                continue
             if "role" not in labels:
                 raise RuntimeError(f"{launch.name} was launched without asking rel_attention.configs_for for "
                                    "its candidates: no role to report it under")
@@ -237,7 +249,7 @@ def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> list
             tasks[key] = Task(arch, launch, key, {
                 "arch": arch, "kernel": launch.name, "role": labels["role"], "candidate": candidate, "D": case.D,
                 "dtype": case.dtype, "scenarios": [case.label], "flags": _flags(launch), "config": name})
-    return list(tasks.values())
+    return list(tasks.values()), list(operand_tasks.values())
 
 
 def reference_tasks(op: list) -> list:
