@@ -221,6 +221,36 @@ def provider_fn(name: str, inputs: cases.OpCall, mode: str):
     return _deterministic(fwd_bwd) if name == "xlnet_fast_det" else fwd_bwd
 
 
+KERNEL_ROWS = 12  # kernels listed per profile (the rest summed into "other kernels")
+
+
+def kernel_times(inputs: cases.OpCall, provider: str, mode: str, calls: int = 3) -> dict:
+    """Where ``provider``'s time goes on CUDA: the GPU time per call of each kernel it launches
+    (``torch.profiler`` over ``calls`` calls after a warm-up), the largest first, and in all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = provider_fn(provider, inputs, mode)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels.append({"kernel": event.key[:80], "ms_per_call": us / 1e3 / calls,
+                            "launches_per_call": event.count / calls})
+    kernels.sort(key=lambda k: -k["ms_per_call"])
+    shown, rest = kernels[:KERNEL_ROWS], kernels[KERNEL_ROWS:]
+    if rest:
+        shown.append({"kernel": f"other kernels ({len(rest)})", "ms_per_call": sum(k["ms_per_call"] for k in rest),
+                      "launches_per_call": sum(k["launches_per_call"] for k in rest)})
+    return {"kernels": shown, "gpu_ms_per_call": sum(k["ms_per_call"] for k in kernels),
+            "launches_per_call": sum(k["launches_per_call"] for k in kernels)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--qlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])

@@ -99,6 +99,8 @@ SWEEP_MODES = ("fwd", "fwd_bwd")
 # In the order they are measured at each shape: the headline comparison first, FlexAttention (the
 # slowest to compile: one graph per shape and mode) last, so a cut at the step's end costs it first.
 GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "hf", "xlnet_fast_det", "fa2_ref", "flex")
+# Profiled per kernel at each D's first point (the first GPU run's most telling measurement).
+PROFILED = ("xlnet_fast", "xlnet_fast_det", "fa2_ref")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -437,13 +439,16 @@ def step_correctness(r: Reporter, plan: Plan) -> None:
 
 def sweep_items(plan: Plan) -> list:
     """``(kind, case, mode, provider)`` in order: per D, an agreement check at its first point, the
-    measurements, and a repeat of the first ``xlnet_fast`` forward+backward (the spread)."""
+    measurements at that point, where the GPU time goes there (``PROFILED``, forward+backward), the
+    other points' measurements, and a repeat of the first ``xlnet_fast`` forward+backward (the spread)."""
     items = []
     for D in plan.sweep_D:
         d_cases = [c for c in plan.sweep_cases() if c.D == D]
+        timed = [[("time", c, m, p) for m in SWEEP_MODES for p in plan.providers if attention.runs_in_mode(p, m)]
+                 for c in d_cases]
         items.append(("agree", d_cases[0], "fwd", None))
-        items += [("time", c, m, p) for c in d_cases for m in SWEEP_MODES for p in plan.providers
-                  if attention.runs_in_mode(p, m)]
+        items += timed[0] + [("profile", d_cases[0], "fwd_bwd", p) for p in PROFILED if p in plan.providers]
+        items += [item for more in timed[1:] for item in more]
         if "xlnet_fast" in plan.providers:
             items.append(("repeat", d_cases[0], "fwd_bwd", "xlnet_fast"))
     return items
@@ -464,6 +469,12 @@ def step_sweep(r: Reporter, plan: Plan) -> None:
             provs = [p for p in plan.providers if p in attention.XLNET_PROVIDERS and p not in ("xlnet_fast_det", "eager")
                      and attention.unavailable(p, "fwd", r.device, case) is None]
             r.attempt("provider_agreement", lambda: attention.agreement(inputs, provs), **fields)
+            continue
+        if kind == "profile":
+            if r.device != "cuda":
+                r.skipped("kernel_profile", "needs CUDA (the profiler's GPU activity)", provider=prov, **fields)
+            else:
+                r.attempt("kernel_profile", lambda: attention.kernel_times(inputs, prov, mode), provider=prov, **fields)
             continue
         why = attention.unavailable(prov, mode, r.device, case)
         if why:

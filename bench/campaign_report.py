@@ -102,6 +102,26 @@ def attention_section(records) -> list:
     return lines
 
 
+def profile_section(records, compact: bool = False) -> list:
+    """Per provider, the GPU time per call of each kernel it launches (``kernel_profile`` records);
+    ``compact``: the three largest only."""
+    recs = _ok(records, "kernel_profile")
+    if not recs:
+        return ["No kernel profile (it needs CUDA)."]
+    out = ["GPU time per call from torch.profiler, after a warm-up (ms; launches per call)."]
+    for r in recs:
+        head = (f"{r['provider']} {r['mode']}, D={r['D']} L={r['L']} mlen={r['mlen']} B={r['B']}: "
+                f"{_fmt(r['gpu_ms_per_call'], 3)} ms of GPU time in {r['launches_per_call']:.0f} launches")
+        if compact:
+            out.append(f"- {head}; largest: " + ", ".join(f"{k['kernel'][:40]} {_fmt(k['ms_per_call'], 3)}"
+                                                          for k in r["kernels"][:3]))
+            continue
+        out += ["", head, ""]
+        out += _table(["kernel", "ms", "launches"],
+                      [[k["kernel"], _fmt(k["ms_per_call"], 3), f"{k['launches_per_call']:.0f}"] for k in r["kernels"]])
+    return out
+
+
 def targets_section(records) -> list:
     """The GPU targets of docs/DESIGN.md §6, each met or missed with the measured ratio."""
     lines = []
@@ -251,6 +271,7 @@ def summary_markdown(records, notes=(), title: str = "GPU campaign", compact: bo
     the output) leaves the autotuner's table to the file."""
     sections = [("Environment and ceilings", environment_section), ("Steps", steps_section),
                 ("Correctness", correctness_section), ("Attention", attention_section),
+                ("Where the GPU time goes", lambda recs: profile_section(recs, compact)),
                 ("Targets (docs/DESIGN.md §6)", targets_section), ("Pretraining step", pretrain_section),
                 ("Memory: evaluation and generation (Transformer-XL, XLNet)", memory_section),
                 ("Autotuner's choices", lambda recs: autotune_section(recs, compact)),

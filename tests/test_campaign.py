@@ -295,6 +295,24 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in text  # the other sections are there
 
 
+def test_the_kernel_profile_is_reported_per_provider():
+    """The first GPU run's most telling measurement, now a campaign record: each kernel's GPU time per
+    call, the largest first, in the summary (all of them) and in what the campaign prints last (three)."""
+    record = {"run": "r", "step": "sweep", "t": 1.0, "device": "x", "op": "kernel_profile", "status": "ok",
+              "provider": "xlnet_fast", "mode": "fwd_bwd", "D": 64, "L": 512, "mlen": 384, "B": 32,
+              "gpu_ms_per_call": 6.17, "launches_per_call": 60,
+              "kernels": [{"kernel": "_bwd_q_kernel", "ms_per_call": 1.653, "launches_per_call": 1},
+                          {"kernel": "_bwd_kv_kernel", "ms_per_call": 1.239, "launches_per_call": 2},
+                          {"kernel": "_fwd_kernel", "ms_per_call": 0.878, "launches_per_call": 1},
+                          {"kernel": "other kernels (40)", "ms_per_call": 2.4, "launches_per_call": 56}]}
+    full = campaign_report.summary_markdown([record])
+    assert "xlnet_fast fwd_bwd, D=64 L=512 mlen=384 B=32: 6.17 ms of GPU time in 60 launches" in full
+    assert "| _bwd_kv_kernel | 1.24 | 2 |" in full and "| other kernels (40) | 2.4 | 56 |" in full
+    compact = campaign_report.summary_markdown([record], compact=True)
+    assert "largest: _bwd_q_kernel 1.65, _bwd_kv_kernel 1.24, _fwd_kernel 0.878" in compact
+    assert "other kernels" not in compact
+
+
 def test_an_uninstalled_source_tree_imports_its_kernels(tmp_path):
     """As on the GPU machine: a copy of the repository, not pip-installed (python -S: no editable
     finder from a .pth file), finds xlnet_fast.kernels in kernels/ through bench.source_tree."""
@@ -337,6 +355,11 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     items = campaign.sweep_items(full)
     assert items[0][0] == "agree" and [i[1].D for i in items] == sorted(i[1].D for i in items)  # D=64 first
     assert ("time", full.sweep_cases()[0], "fwd", "xlnet_fast_det") not in items  # same forward as xlnet_fast
+    # where the GPU time goes, right after the first point's timings (not last, where the time box cuts)
+    first, second = full.sweep_cases()[:2]
+    profiled = [i for i, item in enumerate(items) if item[0] == "profile"]
+    assert [items[i][3] for i in profiled[:3]] == list(campaign.PROFILED)
+    assert items[profiled[0] - 1][1] == first and items[profiled[2] + 1][1] == second
     checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
     for qlen in (512, 4096):
         for two_stream in (False, True):
