@@ -27,6 +27,7 @@ the sweep will take and refuses one estimated above 10 minutes (pass smaller sha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import warnings
@@ -263,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--providers", nargs="+", default=["xlnet_fast", "eager", "hf", "sdpa_flash"],
                    choices=list(PROVIDERS))
     p.add_argument("--tokens", type=int, default=None, help="keep B*qlen at this many tokens")
+    p.add_argument("--configs", nargs="+", default=None, metavar="CONFIG",
+                   help="pin the autotuned kernels to these configs (e.g. 64x64w4s1: no tuning; for ncu)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also record each kernel's GPU time per call (torch.profiler; CUDA only)")
     runner.add_output_args(p, RECORDS, no_record=True)
     return p
 
@@ -354,6 +359,20 @@ def measure(inputs: cases.OpCall, case: cases.AttentionCase, dtype_name: str, mo
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     device = runner.device_name()
+    if args.kernels and device != "cuda":
+        return runner.refuse("bench.attention: --kernels needs CUDA (the profiler's GPU activity)")
+    with contextlib.ExitStack() as stack:
+        if args.configs:
+            from bench.compiler import pinned_configs
+
+            try:
+                stack.enter_context(pinned_configs.pinned(args.configs))
+            except ValueError as exc:
+                return runner.refuse(f"bench.attention: --configs: {exc}")
+        return _run_sweep(args, device)
+
+
+def _run_sweep(args, device: str) -> int:
     providers = args.providers if device == "cuda" else [x for x in args.providers if x in CPU_PROVIDERS]
     plan = _measurements(sweep_cases(args), args.modes, providers)
     if device == "cpu":
@@ -370,7 +389,11 @@ def main(argv=None) -> int:
             print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {prov:14} "
                   f"skipped: {why}", flush=True)
             continue
-        records.append({**env, **measure(inputs, case, dtype_name, mode, prov, device)})
+        record = {**env, **measure(inputs, case, dtype_name, mode, prov, device)}
+        if args.kernels and record["status"] == "ok":
+            record.update(kernel_times(inputs, prov, mode))
+            print("    " + ", ".join(f"{k['kernel'][:40]} {k['ms_per_call']:.3f} ms" for k in record["kernels"][:4]))
+        records.append(record)
     runner.write_records(args, RECORDS, records)
     return 0
 

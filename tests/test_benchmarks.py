@@ -249,6 +249,24 @@ def test_attention_on_cpu_runs_a_small_sweep_and_refuses_a_long_one(cache, capsy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_attention_pins_configs_and_refuses_unknown_ones_and_kernel_times_without_a_gpu(cache, capsys):
+    """``--configs`` pins the autotuned kernels for the run (no tuning: what ncu needs) and restores
+    them; a config no kernel has, and ``--kernels`` (GPU profiler) on a CPU, are one-line refusals."""
+    from bench.compiler import pinned_configs
+
+    before = {name: list(k.configs) for name, k in pinned_configs.tuned_kernels().items()}
+    small = ["--qlens", "16", "--mlens", "0", "--B", "1", "--H", "2", "--D", "8", "--dtypes", "fp32", "--modes", "fwd",
+             "--providers", "eager"]
+    assert attention.main(small + ["--configs", "64x64w4s1"]) == 0
+    assert {name: list(k.configs) for name, k in pinned_configs.tuned_kernels().items()} == before
+    capsys.readouterr()
+    assert attention.main(small + ["--configs", "65x64w4s1"]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert attention.main(small + ["--kernels"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_pretrain_step_on_cpu_accepts_the_old_size_name_and_refuses_a_long_run(cache, capsys):
     argv = ["--config", "mini", "--B", "1", "--seq", "16", "--mem", "8", "--predict", "4", "--repeats", "1"]
     assert pretrain_step.main(argv) == 0
