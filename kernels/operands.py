@@ -85,8 +85,8 @@ def _grad_operands_kernel(
     log-sum-exp in base 2 less the same-segment score E[..., E_SAME] that the recomputed scores
     leave out.
 
-    DOUT, OUT (B, M, H, HEAD_DIM) and LSE (B, H, M) contiguous, in the caller's rows. Grid
-    (cdiv(M, BLOCK_M), B * H)."""
+    DOUT, OUT (B, M, H, HEAD_DIM), any strides, and LSE (B, H, M) contiguous, in the caller's rows.
+    Grid (cdiv(M, BLOCK_M), B * H)."""
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows, row_in, src, _ = _rows_of_program(ROWS, pid_m, b, M, BLOCK_M)
