@@ -198,11 +198,13 @@ def main(argv=None) -> int:
         print()
     for s in summary:
         print(summary_line(s))
-    operand_problems = [operand_problem(r) for r in operand_records if operand_problem(r)]
+    operand_problems = []
     for r in operand_records:
+        problem = operand_problem(r)
+        operand_problems += [problem] if problem else []
         segments = " with segments" if r["flags"].get("SEGMENTS") else ""
-        print(operand_problem(r) or f"sm_{r['arch']} D={r['D']} {r['kernel']}{segments}: {r['regs']} registers, "
-              f"no spill, {r['smem_bytes']} B shared memory")
+        print(problem or f"sm_{r['arch']} D={r['D']} {r['kernel']}{segments}: {r['regs']} registers, no spill, "
+              f"{r['smem_bytes']} B shared memory")
     print(f"\nwrote {len(records)} records and {len(references)} reference records to {where} "
           f"({runner.duration(time.perf_counter() - started)})")
     failed = []

@@ -208,6 +208,19 @@ def _compile_env(tmp_path) -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
 
 
+def test_an_operand_kernel_binary_fails_on_an_error_a_spill_or_no_launch():
+    """The one-pass operand kernels are held to no spill and launchable (the gate prints each problem)."""
+    from bench import compile_report
+
+    clean = {"arch": 90, "D": 64, "kernel": "_query_operands_kernel", "spill_bytes": 0, "smem_bytes": 128,
+             "launchable": True}
+    assert compile_report.operand_problem(clean) is None
+    assert "8 B of spill" in compile_report.operand_problem({**clean, "spill_bytes": 8})
+    assert "300000 B shared memory" in compile_report.operand_problem({**clean, "smem_bytes": 300000,
+                                                                       "launchable": False})
+    assert "boom" in compile_report.operand_problem({**clean, "error": "CompilationError: boom"})
+
+
 def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     """Every candidate the autotuner may pick on sm_80 and sm_90 at D=64 (two-stream, dropout off and
     on), with the reference at the same configs, through the report's regression gate: at the best
