@@ -307,6 +307,29 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
         assert rel(a, b) < 1e-5, n
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["triton", "eager"])
+def test_cuda_graph_capture_with_dropout_is_refused(backend):
+    """The dropout seed is drawn on the host per call: a captured graph would replay the captured
+    seed and drop the same scores at every replay. Capture with dropout raises; without dropout the
+    graph replays the call exactly."""
+    case = make_case(B=1, M=64, H=2, D=32, mlen=16, seg=False, dtype=torch.bfloat16).to(device=DEVICE)
+    args, kw = case.args(), case.kwargs()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # tune and compile before capturing
+        expected = rel_attention(*args, **kw, backend=backend)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rel_attention(*args, **kw, backend=backend)
+    graph.replay()
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            rel_attention(*args, **kw, dropout_p=0.1, backend=backend)
+
+
 def test_model_two_stream_with_triton_backend_matches_eager():
     from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 

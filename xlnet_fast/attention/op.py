@@ -123,6 +123,11 @@ def _autocast(*tensors):
 def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str) -> Tensor:
     resolved = backend_for_call(backend, *dense[:4])
     if a.dropout_p > 0:
+        if dense[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            # the seed below is drawn on the host: a graph would replay its first value, one mask
+            raise RuntimeError("rel_attention with dropout_p > 0 cannot be captured in a CUDA graph: its "
+                               "dropout seed is drawn on the host, so every replay would drop the same "
+                               "scores; capture with dropout_p=0 (model.eval()) or leave the step uncaptured")
         a = dataclasses.replace(a, seed=torch.randint(0, 2**62, (), dtype=torch.int64))
     out, _ = torch.ops.xlnet_fast.rel_attention(*dense, *_flatten(a), resolved)
     return out
