@@ -123,8 +123,9 @@ def _autocast(*tensors):
 def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str) -> Tensor:
     resolved = backend_for_call(backend, *dense[:4])
     if a.dropout_p > 0:
-        if dense[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        if dense[0].is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             # the seed below is drawn on the host: a graph would replay its first value, one mask
+            # (not checked while torch.compile traces, where the query cannot be folded)
             raise RuntimeError("rel_attention with dropout_p > 0 cannot be captured in a CUDA graph: its "
                                "dropout seed is drawn on the host, so every replay would drop the same "
                                "scores; capture with dropout_p=0 (model.eval()) or leave the step uncaptured")
