@@ -45,8 +45,6 @@ class Launch:
     fn: JITFunction
     args: tuple
     kwargs: dict  # keyword arguments, the config's included (num_warps, num_stages, ...)
-    grid: object  # a tuple or a callable of the bound arguments, as passed to kernel[grid]
-    phase: str = ""  # label given by the caller of capture_launches (e.g. "forward")
     config: triton.Config | None = None  # the autotuner config this launch is recorded for
     labels: dict = field(default_factory=dict)  # what the caller set in recorder.labels at the launch
 
@@ -63,24 +61,12 @@ class Launch:
         names = {p.name for p in self.fn.params if p.is_constexpr}
         return {k: v for k, v in self.kwargs.items() if k in names}
 
-    def grid_for(self, **overrides) -> tuple | None:
-        """The launch grid, optionally with some bound arguments replaced (None if not computable)."""
-        bound = dict(zip([p.name for p in self.fn.params], self.args))
-        bound.update(self.kwargs)
-        bound.update(overrides)
-        try:
-            grid = self.grid(bound) if callable(self.grid) else self.grid
-        except Exception:  # noqa: BLE001 - a grid lambda may need arguments we do not have
-            return None
-        return tuple(int(g) for g in grid)
-
 
 @dataclass
 class Recorder:
     """Collects the launches made while ``capture_launches`` is active."""
 
     launches: list = field(default_factory=list)
-    phase: str = ""
     labels: dict = field(default_factory=dict)  # copied onto each launch (e.g. set by a spy in pruning)
     _config: triton.Config | None = None
 
@@ -92,8 +78,7 @@ def capture_launches():
     jit_run, autotuner_run = JITFunction.run, Autotuner.run
 
     def record_jit(self, *args, grid, warmup, **kwargs):
-        recorder.launches.append(Launch(self, args, dict(kwargs), grid, recorder.phase, recorder._config,
-                                        dict(recorder.labels)))
+        recorder.launches.append(Launch(self, args, dict(kwargs), recorder._config, dict(recorder.labels)))
         return None
 
     def record_autotuned(self, *args, **kwargs):

@@ -174,12 +174,12 @@ def _roles_from_pruning(recorder: aot.Recorder):
 
 
 def capture(calls, arch: int) -> list:
-    """The launches the calls make for a GPU of ``arch``, each tagged with its phase."""
+    """The launches the calls (``[(phase, call)]``; the phase names them for readers) make for a GPU
+    of ``arch``."""
     from xlnet_fast.kernels import rel_attention
 
     with aot.capture_launches() as recorder, rel_attention.compiling_for(arch), _roles_from_pruning(recorder):
-        for phase, call in calls:
-            recorder.phase = phase
+        for _phase, call in calls:
             call()
     if not recorder.launches:
         raise RuntimeError("no Triton launch was recorded: were the kernels imported with TRITON_INTERPRET=1?")
