@@ -54,7 +54,10 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_r: torc
     """Raise ``ValueError`` for inputs the kernels do not handle (called before any launch)."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"the Triton backend supports {[str(d) for d in SUPPORTED_DTYPES]}, got q.dtype={q.dtype}")
-    D = q.shape[-1]
+    B, _, H, D = q.shape
+    if B * H > contract.MAX_BATCH_HEADS:
+        raise ValueError(f"the Triton backend launches one program row per batch row and head, at most "
+                         f"{contract.MAX_BATCH_HEADS} (CUDA's grid limit), got B * H = {B} * {H} = {B * H}")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"the Triton backend supports head dims up to {MAX_HEAD_DIM}, got D={D} "
                          "(its backward needs more shared memory than a Hopper SM has beyond that)")

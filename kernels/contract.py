@@ -49,6 +49,11 @@ E_SAME = 0
 E_DELTA = 1
 
 
+# The kernels launch one program row per (batch row, head): at most CUDA's limit on a grid's second
+# dimension.
+MAX_BATCH_HEADS = 65535
+
+
 def interpreting() -> bool:
     """Whether Triton runs the kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

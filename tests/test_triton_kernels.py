@@ -330,6 +330,20 @@ def test_cuda_graph_capture_with_dropout_is_refused(backend):
             rel_attention(*args, **kw, dropout_p=0.1, backend=backend)
 
 
+def test_more_batch_heads_than_a_grid_holds_are_refused_before_launch():
+    """One program row per (batch row, head): past CUDA's grid limit a forced Triton call names the
+    limit before any launch (it was a CUDA launch error); ``auto`` runs such a call eagerly."""
+    from xlnet_fast.attention.backends import backend_for_call
+    from xlnet_fast.kernel_contract import contract
+
+    B, H = contract.MAX_BATCH_HEADS // 2 + 1, 2
+    q = torch.zeros(B, 1, H, 4, device=DEVICE)
+    with pytest.raises(ValueError, match="B \\* H = 32768 \\* 2 = 65536"):
+        backend_for_call("triton", q, q, q, q)
+    assert backend_for_call("auto", q, q, q, q) == "eager"
+    assert backend_for_call("triton", q[:-1], q, q, q) == "triton"
+
+
 def test_model_two_stream_with_triton_backend_matches_eager():
     from xlnet_fast import XLNetConfig, XLNetLMHeadModel
 
