@@ -7,9 +7,12 @@ The backend interface used by ``xlnet_fast.attention``: ``available()``, ``check
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
+from . import launch
 from .contract import (E_FIELDS, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
                        MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK,
                        ROW_SEG, ROW_SRC, interpreting)
@@ -24,6 +27,8 @@ except Exception as exc:  # pragma: no cover - depends on the install
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Whether the kernels run in triton's interpreter: fixed when triton decorated them, at this import
+INTERPRETED = interpreting()
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
 
@@ -66,7 +71,7 @@ def check_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_r: torc
 def _dot_dtype(dtype: torch.dtype):
     import triton.language as tl
 
-    if dtype == torch.bfloat16 and interpreting():
+    if dtype == torch.bfloat16 and INTERPRETED:
         # triton's CPU interpreter computes bf16 dots wrongly (numpy has no bf16): use fp32
         # operands there; on a GPU the dots take bf16 operands with fp32 accumulation.
         return tl.float32
@@ -83,7 +88,7 @@ def fp32_precision() -> str:
 
 
 def _input_precision(dtype: torch.dtype) -> str:
-    if dtype != torch.float32 or interpreting():
+    if dtype != torch.float32 or INTERPRETED:
         return "ieee"  # 16-bit inputs multiply exactly; the interpreter computes in numpy
     return fp32_precision()
 
@@ -155,42 +160,7 @@ def _keys_table(a, B: int, K: int, device, k_codes=None) -> torch.Tensor:
 
 def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the query operands the launcher prepares (the kernels' dot operands)."""
-    return torch.float32 if dtype == torch.bfloat16 and interpreting() else dtype
-
-
-def _query_operands(q, r_w_bias, r_r_bias, a, rows) -> dict:
-    """The query side every kernel reads, per row in the kernels' order (by position), computed
-    once here rather than per tile (``operands._query_operands_kernel``, one pass over q):
-    ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise with ``r_r_bias`` as (B, H, M, D)
-    in the dot dtype, and ``E`` (B, H, M, E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) *
-    scale * log2(e)`` dotted with ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
-    B, M, H, D = q.shape
-    dot = _dot_torch_dtype(q.dtype)
-    qw = torch.empty((B, H, M, D), dtype=dot, device=q.device)
-    qr = torch.empty_like(qw)
-    e = torch.empty((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
-    segments = a.seg_embed is not None
-    r_s, seg = (a.r_s_bias.contiguous(), a.seg_embed.contiguous()) if segments else (r_w_bias, r_w_bias)
-    _operands._query_operands_kernel[(triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H)](
-        q, rows, r_w_bias.contiguous(), r_r_bias.contiguous(), r_s, seg, qw, qr, e, *q.stride(), M, H,
-        a.scale * LOG2E, SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=_block_d(D), BLOCK_M=_operands.ROWS_PER_PROGRAM)
-    return dict(QW=qw, QR=qr, E=e)
-
-
-def _grad_operands(dout, out, lse, args: dict, dropout_p: float) -> dict:
-    """The backward's row operands in the kernels' order (``operands._grad_operands_kernel``, one
-    pass over dO and O): ``DO`` (B, H, M, D) in the dot dtype, dO times the dropout keep scale (dP
-    and dV take it: 1 / (1 - rate) applied once here, not per score); ``DELTA`` (B, H, M) fp32,
-    rowsum(dO * O); ``LSE2`` (B, H, M) fp32, the lse in base 2 less the same-segment term that the
-    recomputed scores leave out."""
-    B, M, H, D = dout.shape
-    do = torch.empty((B, H, M, D), dtype=args["QW"].dtype, device=dout.device)
-    delta = torch.empty((B, H, M), dtype=torch.float32, device=dout.device)
-    lse2 = torch.empty_like(delta)
-    _operands._grad_operands_kernel[(triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H)](
-        dout, out, lse.contiguous(), args["ROWS"], args["E"], do, lse2, delta, *dout.stride(), *out.stride(), M, H,
-        _keep_scale(dropout_p), HEAD_DIM=D, BLOCK_D=args["BLOCK_D"], BLOCK_M=_operands.ROWS_PER_PROGRAM)
-    return dict(DO=do, LSE2=lse2, DELTA=delta)
+    return torch.float32 if dtype == torch.bfloat16 and INTERPRETED else dtype
 
 
 def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -205,69 +175,216 @@ def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a) -> dict:
-    """Keyword arguments every kernel takes, by name."""
-    k, v, k_r = (_int32_rows(t, n) for t, n in ((k, "k"), (v, "v"), (k_r, "k_r")))
-    B, M, H, D = q.shape
-    K, R = k.shape[1], k_r.shape[1]
-    q_codes, k_codes = _segment_codes(a.q_seg, a.k_seg) if a.seg_embed is not None else (None, None)
-    rows, banded_only = _rows_table(a, B, M, q.device, q_codes)
-    if a.attn_mask is not None:
-        mask = a.attn_mask if a.attn_mask.stride(-1) == 1 else a.attn_mask.contiguous()
-        mask = mask.view(torch.uint8)
-        masking, stride_mb, stride_mm = MASK_DENSE, mask.stride(0), mask.stride(1)
-    else:
-        mask = rows  # never read
-        masking = MASK_RANKS if a.q_rank is not None else MASK_NONE
-        stride_mb = stride_mm = 0
-    seed = int(a.seed.item()) if a.seed is not None else 0
-    keep_threshold = dropout_threshold(a.dropout_p)
-    return dict(
-        **_query_operands(q, r_w_bias, r_r_bias, a, rows), ROWS=rows, K=k, V=v, KR=k_r,
-        KEYS=_keys_table(a, B, K, q.device, k_codes), MASK=mask,
-        stride_kb=k.stride(0), stride_kn=k.stride(1), stride_kh=k.stride(2),
-        stride_vb=v.stride(0), stride_vn=v.stride(1), stride_vh=v.stride(2),
-        stride_rb=k_r.stride(0) if k_r.shape[0] > 1 else 0, stride_rr=k_r.stride(1), stride_rh=k_r.stride(2),
-        stride_mb=stride_mb, stride_mm=stride_mm,
-        H=H, M=M, N_KEYS=K, R=R, qlen=a.qlen, qk_scale=a.scale * LOG2E,
-        seed=seed, keep_threshold=keep_threshold,
-        SEGMENTS=a.seg_embed is not None, MASKING=masking, BANDED_ONLY=banded_only,
-        CHECK_R=R < K + a.qlen, DROPOUT=keep_threshold > 0, HEAD_DIM=D, BLOCK_D=_block_d(D),
-        DOT_DTYPE=_dot_dtype(q.dtype), INPUT_PRECISION=_input_precision(q.dtype),
+# --------------------------------------------------------------------------------------------------
+# The mask tables (built once per set of masks: docs/DESIGN.md §5.6)
+# --------------------------------------------------------------------------------------------------
+
+
+def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ROWS (B, M, ROW_FIELDS) and KEYS (B, KEY_FIELDS, K padded) int32 tables every kernel of a
+    call reads, from the masks of ``a`` (``q_seg``, ``k_seg``, ``q_rank``, ``k_rank``, ``q_pos``,
+    ``qlen``, ``self_rows``): built once per set of masks and reused by every call that has them
+    (the model's layers, forward and backward). No host sync."""
+    q_codes, k_codes = _segment_codes(a.q_seg, a.k_seg) if a.q_seg is not None else (None, None)
+    return _rows_table(a, B, M, device, q_codes)[0], _keys_table(a, B, K, device, k_codes)
+
+
+def _tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.rows_table is not None:
+        return a.rows_table, a.keys_table
+    return mask_tables(a, B, M, K, device)
+
+
+def _dense_mask(a):
+    """The dense mask as the kernels read it (uint8, unit last stride), or None."""
+    if a.attn_mask is None:
+        return None
+    mask = a.attn_mask if a.attn_mask.stride(-1) == 1 else a.attn_mask.contiguous()
+    return mask.view(torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------------
+# A call's shape and the kernels' arguments that follow from it
+# --------------------------------------------------------------------------------------------------
+
+
+class _Shape(NamedTuple):
+    """The key of a call: everything its launches' non-tensor arguments, and the binaries triton
+    picks for them, depend on (shapes, strides, dtypes, flags, the 16-byte alignment of the caller's
+    tensors). ``_static_args`` computes the arguments from it alone; launches are bound per key
+    (``launch.py``)."""
+
+    device: int | None
+    dtype: torch.dtype  # q's
+    bias_dtypes: tuple  # r_w_bias, r_r_bias, r_s_bias, seg_embed (None without segments)
+    q: tuple  # shape and strides
+    q_g: tuple | None
+    k: tuple
+    v: tuple
+    k_r: tuple
+    mask: tuple | None  # strides of the dense (B, M, K) mask
+    qlen: int
+    scale: float
+    dropout_p: float
+    masking: int
+    banded_only: bool
+    tf32: bool
+    aligned: tuple
+    tiles: tuple | None  # the interpreter's tile sizes (tests change them), which size the tables
+    grads: tuple | None = None  # backward: dO's and dO_g's shapes and strides, alignment, deterministic
+
+
+def _geometry(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (*t.shape, *t.stride())
+
+
+def _aligned(*tensors) -> tuple:
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _shape(q, q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask) -> _Shape:
+    segments = a.seg_embed is not None
+    return _Shape(
+        q.device.index, q.dtype,
+        (r_w_bias.dtype, r_r_bias.dtype, a.r_s_bias.dtype if segments else None, a.seg_embed.dtype if segments else None),
+        _geometry(q), _geometry(q_g), _geometry(k), _geometry(v), _geometry(k_r),
+        None if mask is None else (mask.stride(0), mask.stride(1)),
+        a.qlen, a.scale, a.dropout_p,
+        MASK_DENSE if mask is not None else MASK_RANKS if a.q_rank is not None else MASK_NONE,
+        a.q_pos is None or a.rows_cover_qlen, q.dtype == torch.float32 and _input_precision(q.dtype) == "tf32",
+        _aligned(q, q_g, k, v, k_r, mask, r_w_bias, r_r_bias, a.r_s_bias, a.seg_embed),
+        (_k.INTERPRETER_TILES["BLOCK_M"], _k.INTERPRETER_TILES["BLOCK_N"]) if INTERPRETED else None)
+
+
+_STATIC: dict = {}
+
+
+def _static_args(shape: _Shape) -> dict:
+    """Per kernel role, its arguments other than tensors (and a few sizes the launcher uses), from
+    the call's shape alone; computed once per shape."""
+    cached = _STATIC.get(shape)
+    if cached is not None:
+        return cached
+    B, L, H, D = shape.q[:4]
+    M = L + (shape.q_g[1] if shape.q_g is not None else 0)
+    Br, R = shape.k_r[:2]
+    K = shape.k[1]
+    segments = shape.bias_dtypes[2] is not None
+    threshold = dropout_threshold(shape.dropout_p)
+    block_d = _block_d(D)
+    k_stride, v_stride, r_stride = shape.k[4:], shape.v[4:], shape.k_r[4:]
+    attn = dict(
+        stride_kb=k_stride[0], stride_kn=k_stride[1], stride_kh=k_stride[2],
+        stride_vb=v_stride[0], stride_vn=v_stride[1], stride_vh=v_stride[2],
+        stride_rb=r_stride[0] if Br > 1 else 0, stride_rr=r_stride[1], stride_rh=r_stride[2],
+        stride_mb=shape.mask[0] if shape.mask else 0, stride_mm=shape.mask[1] if shape.mask else 0,
+        H=H, M=M, N_KEYS=K, R=R, qlen=shape.qlen, qk_scale=shape.scale * LOG2E, keep_threshold=threshold,
+        SEGMENTS=segments, MASKING=shape.masking, BANDED_ONLY=shape.banded_only, CHECK_R=R < K + shape.qlen,
+        DROPOUT=threshold > 0, HEAD_DIM=D, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(shape.dtype),
+        INPUT_PRECISION=_input_precision(shape.dtype))
+    q_g = shape.q_g[4:] if shape.q_g is not None else shape.q[4:]
+    rows = dict(M=M, L=L, H=H, SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_operands.ROWS_PER_PROGRAM)
+    out_strides = (M * H * D, H * D, D, 1)  # the forward's output, allocated contiguous
+    n_m_tiles = triton.cdiv(M, _smallest_tile("BLOCK_M"))
+    n_n_tiles = triton.cdiv(K, _smallest_tile("BLOCK_N"))
+    dkr_rows = _dkr_rows(R, shape.qlen, K)
+    dkr_elements = Br * R * H * D
+    n_convert = triton.cdiv(dkr_elements, _operands.FINISH_BLOCK)
+    static = dict(
+        sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles),
+        qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
+        fwd=dict(attn, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0], stride_om=out_strides[1],
+                 stride_oh=out_strides[2]),
+        dkdv=dict(attn, n_n_tiles=n_n_tiles),
+        dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles),
+        dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
+                 batch_per_kr=B // Br),
+        finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R, B=B,
+                    M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, scale=shape.scale, n_convert=n_convert,
+                    SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
+                    ROWS_STEP=_operands.FINISH_ROWS),
     )
+    static["dkdv"]["FIX_UP"] = False
+    static["fixup"] = dict(static["dkdv"], FIX_UP=True)
+    if shape.grads is not None:
+        dout, dout_g = shape.grads[0], shape.grads[1] or shape.grads[0]
+        static["gops"] = dict(rows, keep_scale=_keep_scale(shape.dropout_p), n_clear=Br * dkr_rows * H * D,
+                              **_strides("g", dout[4:]),
+                              **_strides("h", dout_g[4:]), **_strides("o", out_strides))
+        static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
+    _STATIC[shape] = static
+    return static
 
 
+def _strides(prefix: str, strides) -> dict:
+    return {f"stride_{prefix}{axis}": s for axis, s in zip("bmhd", strides)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Launching
+# --------------------------------------------------------------------------------------------------
 
 
 _TUNED = {"fwd": "fwd_kernel_tuned", "dkdv": "bwd_kv_kernel_tuned", "dq": "bwd_q_kernel_tuned"}
 _FIXED_CONFIGS: dict = {}
+_PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "finish": "_grad_finish_kernel"}
 
 
-def _run(role: str, grid, kwargs: dict, deterministic: bool) -> None:
-    """Launch kernel ``role``: at the interpreter's small tiles under TRITON_INTERPRET; in
-    deterministic mode at the first of the device's candidates that launches (timing could pick
-    another config in another run, and with it another order of float sums); else at the
-    autotuner's choice."""
-    fn = _k.KERNELS[role]
-    if interpreting():
-        fn[grid](**kwargs, **_k.INTERPRETER_TILES)
-    elif _k.compile_target() is not None:  # the compile report records every candidate of its arch
-        for config in _k.configs_for(_k.compile_target(), kwargs["HEAD_DIM"], role):
-            fn[grid](**kwargs, **config.all_kwargs())
-    elif deterministic or role not in _TUNED:
-        key = (role, kwargs["QW"].device.index) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
-        if key not in _FIXED_CONFIGS:
-            _FIXED_CONFIGS[key] = _k.first_launchable(role, fn, kwargs)
-        fn[grid](**kwargs, **_FIXED_CONFIGS[key].all_kwargs())
+def _run(role: str, grid, shape: _Shape, static: dict, tensors: dict, deterministic: bool, config=None) -> dict:
+    """Launch kernel ``role`` and return its tile sizes (BLOCK_M, BLOCK_N). Attention kernels run at
+    the interpreter's small tiles under TRITON_INTERPRET; in deterministic mode at the first of the
+    device's candidates that launches (timing could pick another config in another run, and with it
+    another order of float sums); at ``config`` when given (the FIX_UP launch takes its dK/dV
+    launch's); else at the autotuner's choice. Past its first launch at ``shape`` a kernel is
+    launched bound (``launch.py``): its tensors only."""
+    bound = None if INTERPRETED or _k.compile_target() is not None else launch.bound(role, shape, deterministic)
+    if bound is not None:
+        bound(tensors)
+        return bound.tiles
+    kwargs = {**static, **tensors}
+    if role in _PLAIN:
+        fn = getattr(_operands, _PLAIN[role])
+        compiled, tiles = fn[grid](**kwargs), {}
+        if INTERPRETED:
+            return tiles
     else:
-        getattr(_k, _TUNED[role])[grid](**kwargs)
+        fn = _k.KERNELS[role]
+        if INTERPRETED:
+            fn[grid](**kwargs, **_k.INTERPRETER_TILES)
+            return _k.INTERPRETER_TILES
+        if _k.compile_target() is not None:  # the compile report records every candidate of its arch
+            for candidate in _k.configs_for(_k.compile_target(), kwargs["HEAD_DIM"], role):
+                fn[grid](**kwargs, **candidate.all_kwargs())
+            return {}
+        if config is None and (deterministic or role not in _TUNED):
+            key = (role, shape.device) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
+            if key not in _FIXED_CONFIGS:
+                _FIXED_CONFIGS[key] = _k.first_launchable(role, fn, kwargs)
+            config = _FIXED_CONFIGS[key]
+        if config is not None:
+            compiled = fn[grid](**kwargs, **config.all_kwargs())
+        else:
+            tuned = getattr(_k, _TUNED[role])
+            tuned[grid](**kwargs)
+            config = tuned.best_config
+            compiled = fn.warmup(**kwargs, **config.all_kwargs(), grid=grid)
+        kwargs.update(config.all_kwargs())
+        tiles = config
+    launch.bind(role, shape, deterministic, fn, compiled, grid, kwargs, tensors, tiles)
+    return tiles
+
+
+_CONFIG_TILES: dict = {}
 
 
 def _tile_sizes(name: str) -> list:
-    """Every BLOCK_M or BLOCK_N a launch may pick (the interpreter's, else any config's)."""
-    if interpreting():
+    """Every BLOCK_M or BLOCK_N a launch may pick (the interpreter's, which tests change, else any
+    config's)."""
+    if INTERPRETED:
         return [_k.INTERPRETER_TILES[name]]
-    return [c.kwargs[name] for c in _k.all_configs()]
+    if name not in _CONFIG_TILES:
+        _CONFIG_TILES[name] = [c.kwargs[name] for c in _k.all_configs()]
+    return _CONFIG_TILES[name]
 
 
 def _smallest_tile(name: str) -> int:
@@ -275,110 +392,169 @@ def _smallest_tile(name: str) -> int:
     return min(_tile_sizes(name))
 
 
-def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> torch.Tensor:
-    """The kernels' fp32 dk_r sums (Br, rows, H, D), zeroed; rows >= R are room for the dQ kernel,
-    which adds whole windows of k_r rows without a row mask: row ``qlen + j - position`` for key j,
-    windows of up to 2 * BLOCK_N rows starting below R or at most ``qlen + K + BLOCK_N`` (positions
-    >= -1). The rows past R receive zeros (their scores are masked)."""
-    rows = max(R, qlen + K) + 2 * max(_tile_sizes("BLOCK_N"))
-    return torch.zeros((Br, rows, H, D), dtype=torch.float32, device=device)
+def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, shape, static) -> dict:
+    """The query side every kernel reads, per row in the kernels' order (by position), computed
+    once here rather than per tile (``operands._query_operands_kernel``, one pass over q and q_g):
+    ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise with ``r_r_bias`` as (B, H, M, D)
+    in the dot dtype, and ``E`` (B, H, M, E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) *
+    scale * log2(e)`` dotted with ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
+    sz = static["sizes"]
+    B, M, H, D = sz["B"], sz["M"], sz["H"], sz["D"]
+    qw = torch.empty((B, H, M, D), dtype=_dot_torch_dtype(q.dtype), device=q.device)
+    qr = torch.empty((B, H, M, D), dtype=qw.dtype, device=q.device)
+    e = torch.empty((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
+    segments = a.seg_embed is not None
+    _run("qops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), shape, static["qops"],
+         dict(Q=q, Q_G=q_g if q_g is not None else q, ROWS=rows, RW=r_w_bias, RR=r_r_bias,
+              RS=a.r_s_bias if segments else r_w_bias, SEG=a.seg_embed if segments else r_w_bias, QW=qw, QR=qr, E=e),
+         False)
+    return dict(QW=qw, QR=qr, E=e)
+
+
+def _contiguous_biases(r_w_bias, r_r_bias, a):
+    """The (H, D) biases and (2, H, D) seg_embed as the kernels read them: contiguous."""
+    if a.seg_embed is not None and not (a.r_s_bias.is_contiguous() and a.seg_embed.is_contiguous()):
+        import dataclasses
+
+        a = dataclasses.replace(a, r_s_bias=a.r_s_bias.contiguous(), seg_embed=a.seg_embed.contiguous())
+    return r_w_bias.contiguous(), r_r_bias.contiguous(), a
+
+
+def _attention_tensors(q_ops: dict, rows, keys, k, v, k_r, mask, a) -> dict:
+    """The tensors every attention kernel takes (those of the query side, tables, keys, masks)."""
+    return dict(q_ops, ROWS=rows, K=k, V=v, KR=k_r, KEYS=keys, MASK=mask if mask is not None else rows,
+                SEED=a.seed if a.seed is not None else rows)
 
 
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
-    """Fused forward. Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
-    B, M, H, D = q.shape
+    """Fused forward. ``q`` holds the caller's rows [0, L) and ``a.q_g`` (when given) the rest.
+    Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
+    k, v, k_r = _int32_rows(k, "k"), _int32_rows(v, "v"), _int32_rows(k_r, "k_r")
+    r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
+    mask = _dense_mask(a)
+    shape = _shape(q, a.q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask)
+    static = _static_args(shape)
+    sz = static["sizes"]
+    B, M, H, D = sz["B"], sz["M"], sz["H"], sz["D"]
+    rows, keys = _tables(a, B, M, sz["K"], q.device)
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-    args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
-    _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H),
-         dict(args, keep_scale=_keep_scale(a.dropout_p), OUT=out, LSE=lse, stride_ob=out.stride(0),
-              stride_om=out.stride(1), stride_oh=out.stride(2)),
+    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, shape, static)
+    _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), shape, static["fwd"],
+         dict(_attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a), OUT=out, LSE=lse),
          torch.are_deterministic_algorithms_enabled())
     return out, lse
 
 
-def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, deterministic: bool | None = None):
-    """Fused backward: gradients for q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed.
+def _dkr_rows(R: int, qlen: int, K: int) -> int:
+    """Rows of the kernels' fp32 dk_r sums: R and room for the dQ kernel, which adds whole windows of
+    k_r rows without a row mask: row ``qlen + j - position`` for key j, windows of up to 2 * BLOCK_N
+    rows starting below R or at most ``qlen + K + BLOCK_N`` (positions >= -1). The rows past R receive
+    zeros (their scores are masked)."""
+    return max(R, qlen + K) + 2 * max(_tile_sizes("BLOCK_N"))
+
+
+def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> torch.Tensor:
+    """The kernels' fp32 dk_r sums (Br, ``_dkr_rows``, H, D), uninitialised: the backward's row
+    operands kernel clears them before the dQ kernel adds to them."""
+    return torch.empty((Br, _dkr_rows(R, qlen, K), H, D), dtype=torch.float32, device=device)
+
+
+def _tile_count(total: int, tiles, name: str, default: int) -> int:
+    """How many tiles of ``tiles``' (a config or the interpreter's tile sizes) kind ``name`` cover
+    ``total``; ``default`` (the tables' room) when the launch picked no single config (compile report)."""
+    size = tiles.kwargs.get(name) if hasattr(tiles, "kwargs") else tiles.get(name)
+    return triton.cdiv(total, size) if size else default
+
+
+def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, deterministic: bool | None = None):
+    """Fused backward: gradients for q (all M rows, q_g's after q's), k, v, k_r, r_w_bias, r_r_bias,
+    r_s_bias, seg_embed. ``dout`` is the gradient of out's rows [0, L) and ``dout_g`` (with ``a.q_g``)
+    of the rest.
 
     ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``) computes dk_r in a
     kernel that owns each tile of k_r rows instead of with fp32 atomics.
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    B, M, H, D = q.shape
-    K, Br, R = k.shape[1], k_r.shape[0], k_r.shape[1]
-    args = _launch_args(q, k, v, k_r, r_w_bias, r_r_bias, a)
-    block_d = args["BLOCK_D"]
-    grad_io = _grad_operands(dout, out, lse, args, a.dropout_p)
-    dq = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, K, H, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, K, H, D), dtype=v.dtype, device=q.device)
-    dkr = _dkr_buffer(Br, R, a.qlen, K, H, D, q.device)
-    stride_dkrb = dkr.stride(0) if Br > 1 else 0
-    # room for the partial sums of the smallest tiles any config may pick (zeroed, unused rest)
-    n_m_tiles = triton.cdiv(M, _smallest_tile("BLOCK_M"))
-    n_n_tiles = triton.cdiv(K, _smallest_tile("BLOCK_N"))
-    part = torch.zeros((B * H, n_m_tiles, block_d), dtype=torch.float32, device=q.device)
-    part_k = torch.zeros((B * H, n_n_tiles, block_d), dtype=torch.float32, device=q.device)
+    k, v, k_r = _int32_rows(k, "k"), _int32_rows(v, "v"), _int32_rows(k_r, "k_r")
+    r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
+    mask = _dense_mask(a)
+    shape = _shape(q, a.q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask)._replace(
+        grads=(_geometry(dout), _geometry(dout_g), _aligned(dout, dout_g, out), deterministic))
+    static = _static_args(shape)
+    sz = static["sizes"]
+    B, L, M, H, D, K, Br, R = (sz[n] for n in ("B", "L", "M", "H", "D", "K", "Br", "R"))
     segments = a.seg_embed is not None
-    g_parts = torch.zeros((B * H, n_n_tiles, M) if segments else (1,), dtype=torch.float32, device=q.device)
-
-    kv_args = dict(args, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, n_n_tiles=n_n_tiles)
-    _run("dkdv", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H), kv_args, deterministic)
+    rows, keys = _tables(a, B, M, K, q.device)
+    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, shape, static)
+    device = q.device
+    # the backward's row operands (and seg_embed[1] - seg_embed[0] for the dQ kernel)
+    grad_io = dict(DO=torch.empty((B, H, M, D), dtype=q_ops["QW"].dtype, device=device),
+                   LSE2=torch.empty((B, H, M), dtype=torch.float32, device=device),
+                   DELTA=torch.empty((B, H, M), dtype=torch.float32, device=device))
+    seg_delta = torch.empty((H, D), dtype=torch.float32, device=device) if segments else grad_io["DELTA"]
+    dkr_sums = _dkr_buffer(Br, R, a.qlen, K, H, D, device)
+    _run("gops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), shape, static["gops"],
+         dict(DOUT=dout, DOUT_G=dout_g if dout_g is not None else dout, OUT=out, LSE=lse, ROWS=rows, E=q_ops["E"],
+              SEG=a.seg_embed if segments else r_w_bias, SEGD=seg_delta, DKR_SUMS=dkr_sums, **grad_io), False)
+    dq = torch.empty((B, M, H, D), dtype=q.dtype, device=device)
+    dk = torch.empty((B, K, H, D), dtype=k.dtype, device=device)
+    dv = torch.empty((B, K, H, D), dtype=v.dtype, device=device)
+    # per-tile partial sums, room for the smallest tiles any config may pick; the kernels fill the
+    # first cdiv(M or K, their tile) rows, which are the ones read (none needs zeroing)
+    part = torch.empty((B * H, sz["n_m_tiles"], static["fwd"]["BLOCK_D"]), dtype=torch.float32, device=device)
+    part_k = torch.empty((B * H, sz["n_n_tiles"], static["fwd"]["BLOCK_D"]), dtype=torch.float32, device=device)
+    g_parts = (torch.empty((B * H, sz["n_n_tiles"], M), dtype=torch.float32, device=device) if segments
+               else grad_io["DELTA"])
+    attn = _attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a)
+    kv_tensors = dict(attn, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k)
+    kv_grid = lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)  # noqa: E731
+    kv_tiles = _run("dkdv", kv_grid, shape, static["dkdv"], kv_tensors, deterministic)
+    n_kv_tiles = _tile_count(K, kv_tiles, "BLOCK_N", sz["n_n_tiles"])
     if segments:
         # rows of segment codes the dK/dV kernel's one-hot has no column for (a batch row with more
-        # than SEG_CODES segment ids): nearly every program returns at once; a fixed config, as
-        # the autotuner would zero GP to time it
-        _run("fixup", lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H), dict(kv_args, FIX_UP=True), True)
-    # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment
-    g_diff = g_parts.sum(1).view(B, H, M) if segments else g_parts
-    seg_delta = (a.seg_embed[1] - a.seg_embed[0]).float().contiguous() if segments else g_parts
-    _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H),
-         dict(args, **grad_io, DQ=dq, DKR=dkr, PART=part, G=g_diff, SEGD=seg_delta, stride_dkrb=stride_dkrb,
-              n_m_tiles=n_m_tiles, DKR_ATOMIC=not deterministic), deterministic)
+        # than SEG_CODES segment ids): nearly every program returns at once; at the dK/dV launch's
+        # config, so that both fill the same tiles of GP
+        _run("fixup", kv_grid, shape, static["fixup"], kv_tensors, deterministic,
+             config=kv_tiles if hasattr(kv_tiles, "kwargs") else None)
+    # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment (the dQ
+    # kernel sums GP's n_kv_tiles per-tile sums)
+    g_diff = torch.empty((B, H, M), dtype=torch.float32, device=device) if segments else g_parts
+    q_tiles = _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), shape, static["dq"],
+                   dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
+                        n_gp=n_kv_tiles), deterministic)
     if deterministic:
-        det_args = {name: val for name, val in args.items() if name != "BANDED_ONLY"}
-        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H),
-             dict(det_args, **grad_io, DKR=dkr, stride_dkrb=stride_dkrb, batch_per_kr=B // Br), deterministic)
-
-    # the kernels differentiate the log2-domain scores: bring the scale back (docs/DESIGN.md §3)
-    scale = float(a.scale)
-    # both biases shift q: the column sums of dQ (before the segment term) are the sum of their
-    # gradients, and the dK/dV kernel's sum_ij dS_ij k_j is r_w_bias's
-    dr_w = part_k.view(B, H, n_n_tiles, block_d).sum((0, 2))[:, :D] * scale
-    dr_r = part.view(B, H, n_m_tiles, block_d).sum((0, 2))[:, :D] * scale - dr_w
-    if segments:
-        # over keys of its own segment a row's dS sums to -g_diff; the segment term is
-        # scale * (q + r_s_bias) . seg_embed[same or not], with a padding row's q taken as zero:
-        # sum over rows of g_diff * (q + r_s_bias), q's rows matched to g_diff's by ROW_SRC
-        rows = args["ROWS"]
-        g_real = torch.where((rows[..., ROW_RANK] != INT32_MIN)[:, None, :], g_diff, 0.0)
-        src_bh = rows[..., ROW_SRC].long()[:, None, :].expand(B, H, M)
-        g_caller = torch.empty_like(g_real).scatter_(2, src_bh, g_real)
-        dseg_1 = scale * (torch.einsum("bhm,bmhd->hd", g_caller, q.float())
-                          + g_real.sum((0, 2))[:, None] * a.r_s_bias.float())
-        dr_s = (scale * g_diff.sum((0, 2))[:, None] * seg_delta).to(a.r_s_bias.dtype)
-        dseg = torch.stack([-dseg_1, dseg_1]).to(a.seg_embed.dtype)
-    else:
-        dr_s = torch.zeros_like(r_w_bias)
-        dseg = torch.zeros((2, H, D), dtype=r_w_bias.dtype, device=q.device)
-    dkr = (dkr[:, :R] / LOG2E).to(k_r.dtype)
-    return dq, dk, dv, dkr, dr_w.to(r_w_bias.dtype), dr_r.to(r_r_bias.dtype), dr_s, dseg
+        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), shape, static["dkr"],
+             dict(attn, **grad_io, DKR=dkr_sums), deterministic)
+    # the gradients of k_r, the biases and seg_embed, each in its parameter's dtype
+    grads = dict(DKR=torch.empty((Br, R, H, D), dtype=k_r.dtype, device=device),
+                 DRW=torch.empty((H, D), dtype=r_w_bias.dtype, device=device),
+                 DRR=torch.empty((H, D), dtype=r_r_bias.dtype, device=device),
+                 DRS=torch.empty((H, D), dtype=(a.r_s_bias if segments else r_w_bias).dtype, device=device),
+                 DSEG=torch.empty((2, H, D), dtype=(a.seg_embed if segments else r_w_bias).dtype, device=device))
+    finish = static["finish"]
+    _run("finish", (finish["n_convert"] + H,), shape, finish,
+         dict(grads, DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
+              Q_G=a.q_g if a.q_g is not None else q, RS=a.r_s_bias if segments else r_w_bias, SEGD=seg_delta,
+              n_m_used=_tile_count(M, q_tiles, "BLOCK_M", sz["n_m_tiles"]), n_n_used=n_kv_tiles), False)
+    return dq, dk, dv, grads["DKR"], grads["DRW"], grads["DRR"], grads["DRS"], grads["DSEG"]
 
 
-def dropout_mask(seed: int, B: int, H: int, M: int, K: int, dropout_p: float, device,
+def dropout_mask(seed, B: int, H: int, M: int, K: int, dropout_p: float, device,
                  block: int | None = None, record=None) -> torch.Tensor:
-    """The keep mask (B, H, M, K) bool that the kernels apply with ``seed`` and ``dropout_p`` to query
-    row m and key k: for tests and debugging. The kernels draw it by launch row (the rows sorted by
+    """The keep mask (B, H, M, K) bool that the kernels apply with ``seed`` (an int below 2**48, or the
+    op's seed tensor) and ``dropout_p`` to query row m and key k: for tests and debugging. The kernels draw it by launch row (the rows sorted by
     position, ``ROWS``); ``record``: the op's validated arguments of the call
     (``xlnet_fast.attention.args.validate``) to get it by the caller's rows instead. ``block``: the
     tile it is drawn with (16 or a multiple of 32; the mask does not depend on it)."""
     keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
-    tile = block or (16 if interpreting() else 64)
+    tile = block or (16 if INTERPRETED else 64)
+    seed = torch.as_tensor(seed, dtype=torch.int64).to(device)
     _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
         keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
     keep = keep.view(B, H, M, K).bool()
     if record is not None:
-        caller = _rows_table(record, B, M, device)[0][..., ROW_SRC].long()  # (B, M)
+        caller = _tables(record, B, M, K, device)[0][..., ROW_SRC].long()  # (B, M)
         keep = torch.empty_like(keep).scatter_(2, caller[:, None, :, None].expand(B, H, M, K), keep)
     return keep

@@ -224,14 +224,28 @@ def _finish_scores(s, query, keys_base, mask_base, stride_mm, n0, N_KEYS, qlen, 
 
 
 @triton.jit
+def _load_seed(SEED, DROPOUT: tl.constexpr):
+    """The call's dropout seed: 48 bits (int64) in device memory, drawn there per call, so that a
+    CUDA graph that captured the call draws a new one at every replay; 0 without dropout (unread)."""
+    if DROPOUT:
+        return tl.load(SEED)
+    else:
+        return 0
+
+
+@triton.jit
 def _philox_bytes(seed, pair0, call0, pid_bh, N_PAIRS: tl.constexpr, N_CALLS: tl.constexpr):
-    """(N_PAIRS, N_CALLS, 2, 2, 2, 2) bytes (int32): the Philox4x32-7 output for counter (call0 + c,
-    pair0 + p, batch * H + head, 0) and key ``seed``; byte u = 8 r + 4 w + 2 b + e (dims r, w, b, e),
-    little-endian over the four words (word 2 r + w, its byte 2 b + e)."""
+    """(N_PAIRS, N_CALLS, 2, 2, 2, 2) bytes (int32): the Philox4x32-7 output for key 0 and counter
+    (call0 + c, pair0 + p, batch * H + head + 2**16 * seed bits 32..47, seed bits 0..31); byte
+    u = 8 r + 4 w + 2 b + e (dims r, w, b, e), little-endian over the four words (word 2 r + w, its
+    byte 2 b + e). The seed rides in the counter rather than the key: the key schedule stays
+    constants (bench/NOTES.md); batch * H + head < 2**16 (CUDA's grid limit, checked at launch)."""
     zero = tl.zeros((N_PAIRS, N_CALLS), tl.uint32)
     c0 = zero + tl.expand_dims((tl.arange(0, N_CALLS) + call0).to(tl.uint32), 0)
     c1 = zero + tl.expand_dims((tl.arange(0, N_PAIRS) + pair0).to(tl.uint32), 1)
-    x0, x1, x2, x3 = tl.philox(seed, c0, c1, zero + pid_bh.to(tl.uint32), zero, n_rounds=PHILOX_ROUNDS)
+    stream = pid_bh.to(tl.uint32) | (((seed >> 32) & 0xFFFF).to(tl.uint32) << 16)
+    x0, x1, x2, x3 = tl.philox(0, c0, c1, zero + stream, zero + (seed & 0xFFFFFFFF).to(tl.uint32),
+                               n_rounds=PHILOX_ROUNDS)
     # join(join(a, c), join(b, d)) orders a, b, c, d along two new minor dims
     words = tl.join(tl.join(x0, x2), tl.join(x1, x3))
     return tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF), tl.join((words >> 8) & 0xFF, words >> 24)).to(tl.int32)
@@ -301,7 +315,7 @@ def _fwd_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, OUT, LSE,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
     stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
-    H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, keep_scale,
+    H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, keep_scale,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
@@ -323,6 +337,7 @@ def _fwd_kernel(
     mask_base = MASK + b * stride_mb
     offs_d = tl.arange(0, BLOCK_D)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    seed = _load_seed(SEED, DROPOUT)
 
     # 1. query side: the launcher's operands (bias and scale folded in), per-row metadata
     query = _query_tile(
@@ -516,7 +531,7 @@ def _other_segment_sums(ds, seg_q, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE: 
 def _bwd_kv_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DK, DV, GP, PARTK,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
-    stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_n_tiles,
+    stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_n_tiles,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
@@ -538,6 +553,7 @@ def _bwd_kv_kernel(
     keys_base = KEYS + b * _padded_keys(N_KEYS) * KEY_FIELDS
     mask_base = MASK + b * stride_mb
     offs_d = tl.arange(0, BLOCK_D)
+    seed = _load_seed(SEED, DROPOUT)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
@@ -621,9 +637,10 @@ def _bwd_kv_kernel(
 
 @triton.jit
 def _bwd_q_kernel(
-    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, G, SEGD,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, GP, G, SEGD,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
-    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, n_m_tiles,
+    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_m_tiles,
+    n_n_tiles, n_gp,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -632,7 +649,8 @@ def _bwd_q_kernel(
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
     column sums of dq (before the segment term) in PART (B*H, n_m_tiles, BLOCK_D). With segments,
-    G (B, H, M) holds each row's sum of dS over keys of another segment (from the dK/dV kernel).
+    each row's sum of dS over keys of another segment: the dK/dV launch's per-key-tile sums GP
+    (B*H, n_n_tiles, M), of which it filled the first n_gp tiles, summed here and written to G (B, H, M).
     Gradients here are with respect to the log2-domain operands; the launcher applies the scale."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -649,6 +667,7 @@ def _bwd_q_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    seed = _load_seed(SEED, DROPOUT)
     query = _query_tile(
         QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
     do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
@@ -741,7 +760,11 @@ def _bwd_q_kernel(
     # same-segment keys sum to -g_diff (a row of dS sums to 0); column sums for the bias gradients
     tl.store(PART + (pid_bh.to(tl.int64) * n_m_tiles + pid_m) * BLOCK_D + offs_d, tl.sum(dq, axis=0))
     if SEGMENTS:
-        g_diff = tl.load(G + bh_rows + rows, mask=rows < M, other=0.0)
+        g_diff = tl.zeros((BLOCK_M,), tl.float32)
+        gp = GP + pid_bh.to(tl.int64) * n_n_tiles * M + rows
+        for t in range(0, n_gp):
+            g_diff += tl.load(gp + t * M, mask=rows < M, other=0.0)
+        tl.store(G + bh_rows + rows, g_diff, mask=rows < M)  # for the seg_embed and r_s_bias gradients
         seg_delta = tl.load(SEGD + h * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
         dq += g_diff[:, None] * seg_delta[None, :]
     dq_ptrs = DQ + ((b * M + query.src_row[:, None].to(tl.int64)) * H + h) * HEAD_DIM + offs_d[None, :]
@@ -753,7 +776,7 @@ def _bwd_q_kernel(
 def _bwd_kr_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DKR,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
-    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, seed, keep_threshold, batch_per_kr,
+    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, batch_per_kr,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
@@ -767,6 +790,7 @@ def _bwd_kr_kernel(
     c0 = pid_c * BLOCK_N
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    seed = _load_seed(SEED, DROPOUT)
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for bi in range(0, batch_per_kr):
         b = br * batch_per_kr + bi
@@ -810,12 +834,12 @@ def _bwd_kr_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(KEEP, seed, keep_threshold, M, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dropout_mask_kernel(KEEP, SEED, keep_threshold, M, N_KEYS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """KEEP (B*H, M, N_KEYS) uint8: the keep mask the attention kernels apply, rows in launch order."""
     pid_m, pid_n, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _dropout_keep(seed, pid_bh, pid_m * BLOCK_M, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
+    keep = _dropout_keep(tl.load(SEED), pid_bh, pid_m * BLOCK_M, pid_n * BLOCK_N, keep_threshold, BLOCK_M, BLOCK_N)
     ptrs = KEEP + (pid_bh.to(tl.int64) * M + rows[:, None]) * N_KEYS + cols[None, :]
     tl.store(ptrs, keep.to(tl.uint8), mask=(rows < M)[:, None] & (cols < N_KEYS)[None, :])
 
@@ -944,10 +968,11 @@ def compile_target() -> int | None:
 
 
 def _device_arch(device) -> int:
-    import torch
+    """The arch of the GPU triton compiles for and launches on (its driver's current device, which a
+    launch on ``device``'s tensors has current)."""
+    from triton.runtime import driver
 
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
+    return driver.active.get_current_target().arch
 
 
 def _prune(role: str, fn):

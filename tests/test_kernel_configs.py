@@ -129,7 +129,7 @@ def test_fp32_dots_follow_torchs_tf32_switch_and_never_use_fma(tf32_switch, monk
 
     from xlnet_fast import kernels
 
-    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)  # as compiled for a GPU
     tf32_switch(True)
     assert kernels.fp32_precision() == "tf32" and kernels._input_precision(torch.float32) == "tf32"
     tf32_switch(False)

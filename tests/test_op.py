@@ -142,9 +142,10 @@ def test_torch_compile_traces_without_graph_breaks():
 def test_library_op_passes_opcheck():
     c = make_case(mask="rank", dtype=torch.float32)
     # the registered op takes every argument positionally; attn_mask and q_pos are None, then
-    # self_rows=3, rows_cover_qlen=False, scale=0.5, dropout_p=0.0, seed=None, backend
+    # self_rows=3, rows_cover_qlen=False, scale=0.5, dropout_p=0.0, seed=None, q_g=None, no tables,
+    # backend
     args = c.args() + [c.r_s_bias, c.seg_embed, c.q_seg, c.k_seg, None,
-                       c.q_rank, c.k_rank, None, c.qlen, 3, False, 0.5, 0.0, None, "eager"]
+                       c.q_rank, c.k_rank, None, c.qlen, 3, False, 0.5, 0.0, None, None, None, None, "eager"]
     args[0] = args[0].requires_grad_()
     torch.library.opcheck(torch.ops.xlnet_fast.rel_attention.default, args)
 

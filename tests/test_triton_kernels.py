@@ -273,6 +273,7 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
     query rows come in shuffled positions, so the kernels' launch order (by position) is not the
     caller's: the mask is drawn by launch row and must land on the caller's rows."""
     from xlnet_fast.attention.args import validate
+    from xlnet_fast.attention.op import dropout_seed
     from xlnet_fast.kernels import dropout_mask, dropout_threshold
 
     B, L, H, p = 1, 40, 1, 0.4
@@ -282,7 +283,7 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
     kw = case.kwargs()
     leaves = [t.detach().clone().requires_grad_() for t in case.args()]
     torch.manual_seed(7)
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    seed = int(dropout_seed(torch.device(DEVICE), "triton"))  # the op's draw (its first after manual_seed)
     torch.manual_seed(7)
     out = rel_attention(*leaves, **kw, dropout_p=p, backend="triton")
     torch.manual_seed(7)
@@ -309,25 +310,41 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["triton", "eager"])
-def test_cuda_graph_capture_with_dropout_is_refused(backend):
-    """The dropout seed is drawn on the host per call: a captured graph would replay the captured
-    seed and drop the same scores at every replay. Capture with dropout raises; without dropout the
-    graph replays the call exactly."""
+def test_cuda_graph_capture_replays_the_call_and_draws_dropout_per_replay(backend):
+    """Without dropout a captured graph replays the call exactly. With dropout the Triton backend's
+    seed is drawn on the device (torch's CUDA generator, which CUDA graphs advance per replay): each
+    replay drops other scores, at the rate asked. The eager backend draws its seed on the host, where
+    a graph would replay one mask: capturing it with dropout raises (regression: both backends
+    replayed the captured seed silently before the seed moved to the device)."""
     case = make_case(B=1, M=64, H=2, D=32, mlen=16, seg=False, dtype=torch.bfloat16).to(device=DEVICE)
+    case = case.replace(v=torch.ones_like(case.v))  # out = the kept probabilities' sum, times 1/(1 - rate)
     args, kw = case.args(), case.kwargs()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # tune and compile before capturing
         expected = rel_attention(*args, **kw, backend=backend)
+        rel_attention(*args, **kw, dropout_p=0.3, backend="triton")
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = rel_attention(*args, **kw, backend=backend)
     graph.replay()
     torch.testing.assert_close(out, expected)
-    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            rel_attention(*args, **kw, dropout_p=0.1, backend=backend)
+    if backend == "eager":
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                rel_attention(*args, **kw, dropout_p=0.1, backend=backend)
+        return
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dropped = rel_attention(*args, **kw, dropout_p=0.3, backend=backend)
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append(dropped.clone())
+    assert not torch.equal(replays[0], replays[1]) and not torch.equal(replays[1], replays[2])
+    for r in replays:  # each row: sum of kept probabilities / 0.7, about 1 on average
+        assert 0.8 < float(r.float().mean()) < 1.2
 
 
 def test_more_batch_heads_than_a_grid_holds_are_refused_before_launch():

@@ -13,7 +13,8 @@ from .model import (
 )
 from .hf_patch import from_hf, patch_transformers, to_hf, unpatch_transformers
 from .masks import local_perm
-from .attention import attention_probabilities, rel_attention, rel_attention_two_stream
+from .attention import (attention_probabilities, prepare_masks, prepare_two_stream_masks, rel_attention,
+                        rel_attention_two_stream)
 from .masks import INT32_MAX, INT32_MIN
 from .pretrain.tokenizer import XLNetTokenizer, train_tokenizer
 from .transfo_xl import TransfoXLConfig, TransfoXLLMHeadModel, TransfoXLModel
@@ -24,6 +25,8 @@ __all__ = [
     "rel_attention",
     "rel_attention_two_stream",
     "attention_probabilities",
+    "prepare_masks",
+    "prepare_two_stream_masks",
     "INT32_MIN",
     "INT32_MAX",
     "XLNetConfig",

@@ -5,17 +5,19 @@ query's own position (docs/DESIGN.md §2). Memory keys carry ``INT32_MIN`` (alwa
 keys ``INT32_MAX``. ``build_attention_inputs`` turns transformers' arguments (``attention_mask``,
 ``perm_mask``, ``target_mapping``, ``token_type_ids``, mems) into the typed ``AttentionInputs`` every
 layer passes to the op: ranks where the inputs allow it (padding, causal ``"uni"``, permutation ranks),
-a dense mask only for a ``perm_mask`` (or ``same_length``).
+a dense mask only for a ``perm_mask`` (or ``same_length``), each launch's masks prepared once per
+forward (``xlnet_fast.attention.prepare_masks``: checked, and with the Triton backend's tables).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from .attention.prepared import PreparedMasks, prepare_masks, prepare_two_stream_masks
 from .kernel_contract import contract
 
 # Rank sentinels: a key of rank INT32_MIN is visible to every query (memory), one of rank INT32_MAX
@@ -65,19 +67,20 @@ def block_padding(k_rank: Tensor, padding: Tensor | None) -> Tensor:
     return torch.where(padding, torch.full_like(k_rank, INT32_MAX), k_rank)
 
 
-def causal_masks(batch: int, qlen: int, mlen: int, device, span: int | None = None) -> "StreamMasks":
+def causal_masks(batch: int, qlen: int, mlen: int, device, span: int | None = None,
+                 backend: str = "auto") -> PreparedMasks:
     """Causal attention over ``mlen`` memory keys and ``qlen`` current keys (Transformer-XL): query
     ``i`` sees keys ``j <= mlen + i`` — as ranks, O(L). With ``span`` it sees only its last ``span``
     keys, ``mlen + i - span < j <= mlen + i`` (Transformer-XL's ``same_length``): a dense ``(B, M, K)``
-    mask, since a lower bound is no rank comparison."""
+    mask, since a lower bound is no rank comparison. Prepared for ``backend`` (``prepare_masks``)."""
+    K = mlen + qlen
     if span is None:
         ar = torch.arange(qlen, dtype=torch.int32, device=device).expand(batch, qlen)
-        return StreamMasks(q_rank=ar + 1, k_rank=with_memory(ar, mlen))
+        return prepare_masks(batch, qlen, K, device=device, q_rank=ar + 1, k_rank=with_memory(ar, mlen), backend=backend)
     i = torch.arange(qlen, device=device)[:, None]
-    j = torch.arange(mlen + qlen, device=device)[None, :]
+    j = torch.arange(K, device=device)[None, :]
     blocked = (j > mlen + i) | (j <= mlen + i - span)
-    return StreamMasks(attn_mask=blocked.expand(batch, qlen, mlen + qlen))
-
+    return prepare_masks(batch, qlen, K, device=device, attn_mask=blocked.expand(batch, qlen, K), backend=backend)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,51 +89,32 @@ def causal_masks(batch: int, qlen: int, mlen: int, device, span: int | None = No
 
 
 @dataclass
-class StreamMasks:
-    """One launch's masks and segments, as ``rel_attention``'s keywords (shapes in its docstring)."""
-
-    q_seg: Tensor | None = None
-    k_seg: Tensor | None = None
-    attn_mask: Tensor | None = None
-    q_rank: Tensor | None = None
-    k_rank: Tensor | None = None
-    self_visible: bool = True
-    q_pos: Tensor | None = None
-
-    def op_kwargs(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass
 class AttentionInputs:
-    """What every layer of one forward passes to the op besides q/k/v/k_r and the weights.
+    """What every layer of one forward passes to the op besides q/k/v/k_r and the weights: the masks
+    of each launch it makes, prepared once for all layers (``xlnet_fast.attention.prepare_masks``).
 
     Three ways to run the query stream: none (``content`` only); on its target rows together with
-    the content stream in one ``rel_attention_two_stream`` launch (``joint``: ``target_pos (B, P)``,
-    ``attn_mask_g (B, P, K)`` with dense masks); or in a launch of its own (``query``), on its target
-    rows (``q_pos``) or, for a general ``target_mapping (B, P, L)``, on all L positions mapped in and
-    out by the layer as transformers does. ``k_r_index (B,)`` picks each row's bi_data position
-    embedding; ``blocked_g (B, P)`` marks query rows that see no key, given transformers' uniform
-    average (``XLNetModel.average_blocked_rows``).
+    the content stream in one ``rel_attention_two_stream`` launch (``joint``; ``content`` is then
+    None); or in a launch of its own (``query``), on its target rows or, for a general
+    ``target_mapping (B, P, L)``, on all L positions mapped in and out by the layer as transformers
+    does. ``target_rows``: P, the query stream's rows. ``k_r_index (B,)`` picks each row's bi_data
+    position embedding; ``blocked_g (B, P)`` marks query rows that see no key, given transformers'
+    uniform average (``XLNetModel.average_blocked_rows``).
     """
 
     qlen: int
-    content: StreamMasks
+    content: PreparedMasks | None
     has_segments: bool = False
-    query: StreamMasks | None = None
-    target_pos: Tensor | None = None
-    attn_mask_g: Tensor | None = None
+    joint: PreparedMasks | None = None
+    query: PreparedMasks | None = None
+    target_rows: int = 0
     target_mapping: Tensor | None = None
     k_r_index: Tensor | None = None
     blocked_g: Tensor | None = None
 
     @property
-    def joint(self) -> bool:
-        return self.target_pos is not None and self.query is None
-
-    @property
     def has_query_stream(self) -> bool:
-        return self.query is not None or self.joint
+        return self.query is not None or self.joint is not None
 
 
 @dataclass
@@ -164,6 +148,7 @@ class MaskSpec:
     target_pos: Tensor | None = None  # (B, P) int, negative = padding row
     separate_query_launch: bool = False  # e.g. to get the query stream's attention probabilities
     average_blocked_rows: bool = False
+    backend: str = "auto"  # the masks are prepared for it (the Triton backend's tables)
 
 
 def _dense_blocked(s: MaskSpec, device) -> Tensor:
@@ -208,12 +193,12 @@ def _visibility(s: MaskSpec, device) -> _Visibility:
 
 def one_hot_targets(target_mapping: Tensor) -> Tensor | None:
     """(B, P) target positions if ``target_mapping`` is one-hot rows (or empty rows, -1) with no
-    position targeted twice; else None."""
+    position targeted twice; else None. Decided on the device; the one host read of the forward that
+    gets transformers' dense ``target_mapping`` (the answer picks the launches)."""
     tm = target_mapping
-    if not bool(((tm == 0) | (tm == 1)).all()):
-        return None
     rows, cols = tm.sum(-1), tm.sum(-2)
-    if bool((rows > 1).any()) or bool((cols > 1).any()):
+    one_hot = ((tm == 0) | (tm == 1)).all() & (rows <= 1).all() & (cols <= 1).all()
+    if not bool(one_hot):
         return None
     pos = tm.argmax(-1)
     return torch.where(rows > 0, pos, torch.full_like(pos, -1))
@@ -229,11 +214,18 @@ def _rows_without_keys(dense_g: Tensor | None, rank_q: Tensor | None, rank_k: Te
     return None
 
 
-def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec) -> None:
+def _segments(s: MaskSpec) -> dict:
+    """The segment ids of the current rows and of the keys (memory keys: segment 0)."""
+    if s.token_type_ids is None:
+        return {}
+    return dict(q_seg=s.token_type_ids, k_seg=F.pad(s.token_type_ids, (s.mlen, 0)))
+
+
+def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec, device) -> None:
     """The query stream on its target rows only: in the content stream's launch, or (``separate``)
     in a launch of its own at ``q_pos = target_pos``."""
-    content = inputs.content
     rows = target_pos.long().clamp(min=0)
+    K = s.mlen + s.seq_len
     dense_g = rank_q = None
     if vis.dense_g is not None:
         dense_g = vis.dense_g.gather(1, rows[..., None].expand(-1, -1, vis.dense_g.shape[-1]))
@@ -242,41 +234,53 @@ def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Ten
     if s.average_blocked_rows:
         blocked = _rows_without_keys(dense_g, rank_q, vis.rank_k)
         inputs.blocked_g = None if blocked is None else blocked & (target_pos >= 0)
-    inputs.target_pos = target_pos
+    inputs.target_rows = target_pos.shape[1]
+    segments = _segments(s)
     if not s.separate_query_launch:
-        inputs.attn_mask_g = dense_g
+        inputs.joint = prepare_two_stream_masks(
+            s.batch, s.seq_len, K, device=device, target_pos=target_pos, attn_mask=vis.dense_h, attn_mask_g=dense_g,
+            q_rank=vis.rank_q, k_rank=vis.rank_k, backend=s.backend, **segments)
         return
-    inputs.query = StreamMasks(
-        q_seg=None if content.q_seg is None else content.q_seg.gather(1, rows), k_seg=content.k_seg,
-        attn_mask=dense_g, q_rank=rank_q, k_rank=None if rank_q is None else vis.rank_k,
-        self_visible=rank_q is None, q_pos=target_pos)  # ranks: a target row does not see its own key
+    inputs.content = _content(vis, s, device)
+    if segments:
+        segments["q_seg"] = segments["q_seg"].gather(1, rows)
+    inputs.query = prepare_masks(  # ranks: a target row does not see its own key
+        s.batch, target_pos.shape[1], K, device=device, attn_mask=dense_g, q_rank=rank_q,
+        k_rank=None if rank_q is None else vis.rank_k, self_visible=rank_q is None, q_pos=target_pos,
+        qlen=s.seq_len, backend=s.backend, **segments)
 
 
-def _query_on_all_rows(inputs: AttentionInputs, vis: _Visibility, s: MaskSpec) -> None:
+def _query_on_all_rows(inputs: AttentionInputs, vis: _Visibility, s: MaskSpec, device) -> None:
     """A general ``target_mapping``: the query stream runs on all L positions, mapped in and out by
     the layer, as transformers does."""
     inputs.target_mapping = s.target_mapping
-    inputs.query = StreamMasks(q_seg=inputs.content.q_seg, k_seg=inputs.content.k_seg, attn_mask=vis.dense_g,
-                               q_rank=vis.rank_q, k_rank=vis.rank_k, self_visible=vis.rank_q is None)
+    inputs.target_rows = s.target_mapping.shape[1]
+    inputs.query = prepare_masks(s.batch, s.seq_len, s.mlen + s.seq_len, device=device, attn_mask=vis.dense_g,
+                                 q_rank=vis.rank_q, k_rank=vis.rank_k, self_visible=vis.rank_q is None,
+                                 backend=s.backend, **_segments(s))
     if s.average_blocked_rows:
         inputs.blocked_g = _rows_without_keys(vis.dense_g, vis.rank_q, vis.rank_k)
 
 
+def _content(vis: _Visibility, s: MaskSpec, device) -> PreparedMasks:
+    """The content stream's masks for a launch of its own."""
+    return prepare_masks(s.batch, s.seq_len, s.mlen + s.seq_len, device=device, attn_mask=vis.dense_h,
+                         q_rank=vis.rank_q, k_rank=vis.rank_k, backend=s.backend, **_segments(s))
+
+
 def build_attention_inputs(s: MaskSpec, device) -> AttentionInputs:
-    """The masks and segments of one forward, by stream (see ``AttentionInputs``)."""
+    """The masks of one forward, by launch (see ``AttentionInputs``), prepared once for every layer."""
     vis = _visibility(s, device)
-    content = StreamMasks(attn_mask=vis.dense_h, q_rank=vis.rank_q, k_rank=vis.rank_k)
-    if s.token_type_ids is not None:
-        content.q_seg = s.token_type_ids
-        content.k_seg = F.pad(s.token_type_ids, (s.mlen, 0))  # memory keys: segment 0
-    inputs = AttentionInputs(qlen=s.seq_len, content=content, has_segments=s.token_type_ids is not None)
+    inputs = AttentionInputs(qlen=s.seq_len, content=None, has_segments=s.token_type_ids is not None)
     if s.bi_data:  # the second half of the rows reads the text backwards: the negated positions
         inputs.k_r_index = (torch.arange(s.batch, device=device) >= s.batch // 2).long()
     target_pos = s.target_pos
     if target_pos is None and s.target_mapping is not None and not s.separate_query_launch:
         target_pos = one_hot_targets(s.target_mapping)
     if target_pos is not None:
-        _query_on_targets(inputs, vis, target_pos, s)
-    elif s.target_mapping is not None:
-        _query_on_all_rows(inputs, vis, s)
+        _query_on_targets(inputs, vis, target_pos, s, device)
+        return inputs
+    inputs.content = _content(vis, s, device)
+    if s.target_mapping is not None:
+        _query_on_all_rows(inputs, vis, s, device)
     return inputs

@@ -80,30 +80,27 @@ def op_calls(case: Case, device: str = "meta") -> list:
     backward) on the inputs ``bench.cases`` builds for the scenario, on ``device`` ("meta": compile
     only). Adapt this function, and only it, when the launch code's arguments change."""
     from xlnet_fast import kernels
-    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.attention import prepare_masks, prepare_two_stream_masks
+    from xlnet_fast.attention.args import validate
 
     inputs = cases.attention_inputs(attention_case(case), device)
     floats, index = inputs.floats, inputs.index
     B, L = case.batch, case.qlen
-    q_seg, q_rank, q_pos = index["q_seg"], index["q_rank"], None
-    if case.stream == "two-stream":  # as ops.rel_attention_two_stream concatenates
-        target_pos = index["target_pos"]
-        q = torch.cat([floats["q_h"], floats["q_g"]], 1)
-        q_pos = torch.cat([torch.arange(L, device=device).expand(B, L), target_pos], 1)
-        q_seg = torch.cat([q_seg, q_seg.gather(1, target_pos)], 1)
-        q_rank = torch.cat([q_rank, q_rank.gather(1, target_pos)], 1)
+    K = L + case.mlen
+    masks = dict(q_seg=index["q_seg"], k_seg=index["k_seg"], q_rank=index["q_rank"], k_rank=index["k_rank"])
+    if case.stream == "two-stream":  # as the model's layers call rel_attention_two_stream
+        q, q_g = floats["q_h"], floats["q_g"]
+        prepared = prepare_two_stream_masks(B, L, K, device=device, target_pos=index["target_pos"], backend="eager",
+                                            **masks)
     else:
-        q = floats["q"]
-    dropout_p, seed = 0.0, None
-    if case.dropout:
-        dropout_p = 0.1
-        seed = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(0))
-    args = AttnArgs(r_s_bias=floats["r_s_bias"], seg_embed=floats["seg_embed"], q_seg=q_seg, k_seg=index["k_seg"],
-                    attn_mask=None, q_rank=q_rank, k_rank=index["k_rank"], q_pos=q_pos, qlen=L, self_rows=L,
-                    scale=1.0 / math.sqrt(case.D), dropout_p=dropout_p, seed=seed,
-                    rows_cover_qlen=case.stream == "two-stream")  # as ops.rel_attention_two_stream says
-    saved = {}
+        q, q_g = floats["q"], None
+        prepared = prepare_masks(B, L, K, device=device, backend="eager", **masks)
     k, v, k_r, r_w_bias, r_r_bias = (floats[n] for n in ("k", "v", "k_r", "r_w_bias", "r_r_bias"))
+    args = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=floats["r_s_bias"], seg_embed=floats["seg_embed"],
+                    q_g=q_g, masks=prepared, scale=1.0 / math.sqrt(case.D), dropout_p=0.1 if case.dropout else 0.0)
+    if case.dropout:  # the op draws it per call on the device
+        args.seed = torch.randint(0, 2**48, (), dtype=torch.int64, generator=torch.Generator().manual_seed(0)).to(device)
+    saved = {}
 
     def forward():
         with _tf32(case.dtype == "fp32-tf32"):
@@ -112,7 +109,8 @@ def op_calls(case: Case, device: str = "meta") -> list:
     def backward():
         with _tf32(case.dtype == "fp32-tf32"):
             kernels.backward(cases.random_like(q, seed=1), q, k, v, k_r, r_w_bias, r_r_bias, args, saved["out"],
-                             saved["lse"], deterministic=case.deterministic)
+                             saved["lse"], dout_g=None if q_g is None else cases.random_like(q_g, seed=2),
+                             deterministic=case.deterministic)
 
     return [("forward", forward), ("backward", backward)]
 

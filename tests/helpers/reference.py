@@ -118,17 +118,16 @@ def dropout_keep_reference(seed: int, B: int, H: int, M: int, K: int, threshold:
     """The kernels' documented dropout stream, (B, H, M, K) bool by launch row: element (row m, key j)
     of batch*head ``bh`` keeps when byte ``u = 8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2``
     (little-endian over the four words) of Philox4x32-7 at counter
-    ``(4 * (j // 32) + (j % 8) // 2, 8 * (m // 16) + m % 8, bh, 0)``, key ``seed``, is at least
-    ``threshold``."""
+    ``(4 * (j // 32) + (j % 8) // 2, 8 * (m // 16) + m % 8, bh + 2**16 * (seed >> 32 & 0xFFFF),
+    seed & 0xFFFFFFFF)``, key 0 (the 48-bit seed rides in the counter), is at least ``threshold``."""
     bh = torch.arange(B * H).view(-1, 1, 1)
     m = torch.arange(M).view(1, -1, 1)
     j = torch.arange(K).view(1, 1, -1)
     call = 4 * (j // 32) + (j % 8) // 2
     row_pair = 8 * (m // 16) + m % 8
     shape = (B * H, M, K)
-    words = philox4x32([call.expand(shape), row_pair.expand(shape), bh.expand(shape),
-                        torch.zeros(shape, dtype=torch.long)],
-                       (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF), rounds=7)
+    words = philox4x32([call.expand(shape), row_pair.expand(shape), (bh + ((seed >> 32) & 0xFFFF) * 2**16).expand(shape),
+                        torch.full(shape, seed & 0xFFFFFFFF, dtype=torch.long)], (0, 0), rounds=7)
     u = 8 * ((m % 16) // 8) + 2 * ((j % 32) // 8) + j % 2
     word = torch.stack(words).gather(0, (u // 4).expand(shape).unsqueeze(0))[0]
     byte = (word >> (8 * (u % 4))) & 0xFF

@@ -3,12 +3,19 @@
 ``AttnArgs`` holds every argument of the op after the dense tensors ``q, k, v, k_r, r_w_bias,
 r_r_bias``; its fields, in order, are the ``torch.library`` schema (``op.py`` derives it from them), so
 the record, the schema and the autograd plumbing cannot disagree. ``validate`` checks a call's
-arguments before any launch and returns the record both backends receive.
+arguments before any launch and returns the record both backends receive; the masks it takes
+checked already, prepared once for many calls (``prepared.py``), or raw.
+
+Checks of tensor values (positions below ``qlen``, token ids in the vocabulary) go through
+``check_values``: a ``ValueError`` where reading a value costs nothing (CPU tensors), an assertion on
+the device on a GPU, where reading it would stall the host on the GPU (a sync) and break CUDA-graph
+capture; ``XLNET_FAST_CHECK_VALUES=1`` makes them host-side ``ValueError``s there too (debugging).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import typing
 from dataclasses import dataclass, field, fields
 
@@ -40,6 +47,12 @@ class AttnArgs:
     scale: float
     dropout_p: float
     seed: Tensor | None  # () int64, drawn per call when dropout_p > 0
+    # a second source of query rows: q holds rows [0, L), q_g rows [L, M) (rel_attention_two_stream's
+    # query stream, not concatenated to q); None: q holds all M rows
+    q_g: Tensor | None = field(default=None, kw_only=True)
+    # the Triton backend's tables for these masks (kernels.mask_tables), when prepared beforehand
+    rows_table: Tensor | None = field(default=None, kw_only=True)
+    keys_table: Tensor | None = field(default=None, kw_only=True)
 
     @property
     def has_segments(self) -> bool:
@@ -93,15 +106,31 @@ def check_index_tensor(name: str, t, shape: tuple, device, dtypes=INDEX_DTYPES) 
     check_tensor(name, t, len(shape), shape, dtypes, device)
 
 
-def check_positions(q_pos: Tensor, qlen: int) -> None:
-    """q_pos values must be < qlen (negative = padding row). A data-dependent check: eagerly a
-    ValueError; under torch.compile (no host sync there) an assertion on the device."""
-    if not q_pos.numel():
-        return
+def host_value_checks(device: torch.device) -> bool:
+    """Whether checks of tensor values on ``device`` read the values on the host (``check_values``)."""
     if torch.compiler.is_compiling():
-        torch._assert_async(q_pos.max() < qlen, "xlnet_fast: q_pos values must be < qlen")
-    elif int(q_pos.max()) >= qlen:
-        raise ValueError(f"q_pos values must be < qlen = {qlen}, got max {int(q_pos.max())}")
+        return False
+    return device.type == "cpu" or os.environ.get("XLNET_FAST_CHECK_VALUES", "0") == "1"
+
+
+def check_values(ok: Tensor, message: str, *values: Tensor) -> None:
+    """Raise ``ValueError(message)`` unless ``ok`` (a bool tensor, one element) holds, where the host
+    reads values for free (``host_value_checks``), ``message``'s ``{}`` filled with ``values``;
+    elsewhere assert it on the device: no host sync, capturable in a CUDA graph, traced by
+    torch.compile (a failed device assertion stops the process with a CUDA error; rerun with
+    XLNET_FAST_CHECK_VALUES=1 for the message with its values)."""
+    if host_value_checks(ok.device):
+        if not bool(ok):
+            raise ValueError(message.format(*(int(v) for v in values)))
+    else:
+        torch._assert_async(ok, "xlnet_fast: " + message.format(*("(on the device)" for _ in values)))
+
+
+def check_positions(q_pos: Tensor, qlen: int) -> None:
+    """q_pos values must be < qlen (negative = padding row): a check of values (``check_values``)."""
+    if q_pos.numel():
+        top = q_pos.max()
+        check_values(top < qlen, f"q_pos values must be < qlen = {qlen}, got max {{}}", top)
 
 
 def resolve_scale(scale, D: int) -> float:
@@ -120,74 +149,118 @@ def resolve_scale(scale, D: int) -> float:
 # --------------------------------------------------------------------------------------------------
 
 
-def _check_dense(q, k, v, k_r, r_w_bias, r_r_bias) -> None:
-    check_tensor("q", q, 4)
-    B, M, H, D = q.shape
-    if D < 1:
-        raise ValueError(f"q must have a head dim D >= 1, got shape {tuple(q.shape)}")
-    if q.dtype not in FLOAT_DTYPES + (torch.float64,):
-        raise TypeError(f"q must be float32, bfloat16 or float16 (float64 for eager), got {q.dtype}")
-    like = dict(dtypes=(q.dtype,), device=q.device)
-    check_tensor("k", k, 4, (B, None, H, D), **like)
-    check_tensor("v", v, 4, (B, k.shape[1], H, D), **like)
-    check_tensor("k_r", k_r, 4, (None, None, H, D), **like)
-    if k_r.shape[0] not in (1, B):
-        raise ValueError(f"k_r must have batch dim 1 or B={B}, got {k_r.shape[0]}")
-    check_tensor("r_w_bias", r_w_bias, 2, (H, D), **like)
-    check_tensor("r_r_bias", r_r_bias, 2, (H, D), **like)
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_r", k_r)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+@dataclass
+class PreparedMasks:
+    """The masks of ``rows`` query rows over ``keys`` keys of a batch, checked (shapes as in
+    ``rel_attention``'s docstring; ``self_rows``: how many leading rows also see their own key;
+    ``rows_cover_qlen``: every position has a row, as in a two-stream call), and the Triton
+    backend's ``rows_table``/``keys_table`` when it will run the calls (else None)."""
+
+    batch: int
+    rows: int
+    keys: int
+    device: torch.device
+    qlen: int
+    self_rows: int
+    rows_cover_qlen: bool = False
+    q_seg: Tensor | None = None
+    k_seg: Tensor | None = None
+    attn_mask: Tensor | None = None
+    q_rank: Tensor | None = None
+    k_rank: Tensor | None = None
+    q_pos: Tensor | None = None
+    rows_table: Tensor | None = None
+    keys_table: Tensor | None = None
+
+    @property
+    def has_segments(self) -> bool:
+        return self.q_seg is not None
+
+    def check_call(self, B: int, M: int, K: int, device: torch.device) -> None:
+        """A call's q (B, M query rows) and k (K keys) on ``device`` match these masks."""
+        if (B, M, K) != (self.batch, self.rows, self.keys):
+            raise ValueError(f"masks were prepared for batch {self.batch}, {self.rows} query rows and {self.keys} "
+                             f"keys, the call has {B}, {M} and {K}")
+        if device != self.device:
+            raise ValueError(f"masks are on {self.device} but q is on {device}")
 
 
-def _check_segments(q, k, r_s_bias, seg_embed, q_seg, k_seg) -> None:
-    parts = {"r_s_bias": r_s_bias, "seg_embed": seg_embed, "q_seg": q_seg, "k_seg": k_seg}
-    given = [n for n, t in parts.items() if t is not None]
-    if not given:
-        return
-    if len(given) != len(parts):
+def check_masks(B: int, M: int, K: int, device, *, q_seg=None, k_seg=None, attn_mask=None, q_rank=None,
+                k_rank=None, q_pos=None, qlen=None, self_visible=True, self_rows=None,
+                rows_cover_qlen=False) -> PreparedMasks:
+    """The masks of M query rows over K keys (``rel_attention``'s keywords), checked; no tables."""
+    device = torch.device(device)
+    if (q_seg is None) != (k_seg is None):
         raise ValueError("the segment term needs r_s_bias, seg_embed, q_seg and k_seg; missing "
-                         f"{[n for n in parts if n not in given]}")
-    B, M, H, D = q.shape
-    like = dict(dtypes=(q.dtype,), device=q.device)
-    check_tensor("r_s_bias", r_s_bias, 2, (H, D), **like)
-    check_tensor("seg_embed", seg_embed, 3, (2, H, D), **like)
-    check_index_tensor("q_seg", q_seg, (B, M), q.device)
-    check_index_tensor("k_seg", k_seg, (B, k.shape[1]), q.device)
-
-
-def _check_query_rows(q, k, k_r, q_pos, qlen) -> int:
-    """The query rows' positions against the keys and k_r; returns qlen (default M)."""
-    B, M = q.shape[:2]
-    K, R = k.shape[1], k_r.shape[1]
+                         f"{['k_seg' if k_seg is None else 'q_seg']}")
+    if q_seg is not None:
+        check_index_tensor("q_seg", q_seg, (B, M), device)
+        check_index_tensor("k_seg", k_seg, (B, K), device)
     qlen = M if qlen is None else qlen
     if not isinstance(qlen, int) or isinstance(qlen, bool):
         raise TypeError(f"qlen must be an int, got {type(qlen).__name__}")
     if not 1 <= qlen <= K:
         raise ValueError(f"qlen must be in [1, K={K}], got {qlen}")
-    if R < K + 1:
-        raise ValueError(f"k_r needs at least K + 1 = {K + 1} rows, got R = {R}")
     if q_pos is None:
         if M > qlen:
             raise ValueError(f"without q_pos, M = {M} query rows need qlen >= M, got qlen = {qlen}")
     else:
-        check_index_tensor("q_pos", q_pos, (B, M), q.device)
+        check_index_tensor("q_pos", q_pos, (B, M), device)
         check_positions(q_pos, qlen)
-    return qlen
-
-
-def _check_masks(q, k, attn_mask, q_rank, k_rank) -> None:
-    B, M = q.shape[:2]
-    K = k.shape[1]
     if attn_mask is not None and (q_rank is not None or k_rank is not None):
         raise ValueError("pass either attn_mask or q_rank/k_rank, not both")
     if attn_mask is not None:
-        check_tensor("attn_mask", attn_mask, 3, (B, M, K), (torch.bool,), q.device)
+        check_tensor("attn_mask", attn_mask, 3, (B, M, K), (torch.bool,), device)
     if (q_rank is None) != (k_rank is None):
         raise ValueError("q_rank and k_rank must be given together")
     if q_rank is not None:
-        check_index_tensor("q_rank", q_rank, (B, M), q.device, (torch.int32,))
-        check_index_tensor("k_rank", k_rank, (B, K), q.device, (torch.int32,))
+        check_index_tensor("q_rank", q_rank, (B, M), device, (torch.int32,))
+        check_index_tensor("k_rank", k_rank, (B, K), device, (torch.int32,))
+    if not isinstance(self_visible, bool):
+        raise TypeError(f"self_visible must be a bool, got {type(self_visible).__name__}")
+    if self_rows is None:
+        self_rows = M if self_visible else 0
+    elif not 0 <= self_rows <= M:
+        raise ValueError(f"self_rows must be in [0, M={M}], got {self_rows}")
+    return PreparedMasks(batch=B, rows=M, keys=K, device=torch.device(device), qlen=qlen, self_rows=self_rows,
+                         rows_cover_qlen=rows_cover_qlen, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask,
+                         q_rank=q_rank, k_rank=k_rank, q_pos=q_pos)
+
+
+
+
+def _check_dense(q, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, bias_autocast: bool) -> None:
+    """The dense tensors. Biases (and seg_embed) in q's dtype; with ``bias_autocast`` (under
+    torch.autocast, where a model's bias parameters stay float32 while its projections come out in
+    the autocast dtype) in any float dtype: the op takes them in q's dtype (as a cast would)."""
+    check_tensor("q", q, 4)
+    B, L, H, D = q.shape
+    if D < 1:
+        raise ValueError(f"q must have a head dim D >= 1, got shape {tuple(q.shape)}")
+    if q.dtype not in FLOAT_DTYPES + (torch.float64,):
+        raise TypeError(f"q must be float32, bfloat16 or float16 (float64 for eager), got {q.dtype}")
+    like = dict(dtypes=(q.dtype,), device=q.device)
+    if q_g is not None:
+        check_tensor("q_g", q_g, 4, (B, None, H, D), **like)
+    check_tensor("k", k, 4, (B, None, H, D), **like)
+    check_tensor("v", v, 4, (B, k.shape[1], H, D), **like)
+    check_tensor("k_r", k_r, 4, (None, None, H, D), **like)
+    if k_r.shape[0] not in (1, B):
+        raise ValueError(f"k_r must have batch dim 1 or B={B}, got {k_r.shape[0]}")
+    bias = dict(dtypes=FLOAT_DTYPES + (torch.float64,) if bias_autocast else (q.dtype,), device=q.device)
+    check_tensor("r_w_bias", r_w_bias, 2, (H, D), **bias)
+    check_tensor("r_r_bias", r_r_bias, 2, (H, D), **bias)
+    if (r_s_bias is None) != (seg_embed is None):
+        raise ValueError("the segment term needs r_s_bias, seg_embed, q_seg and k_seg; missing "
+                         f"{['r_s_bias' if r_s_bias is None else 'seg_embed']}")
+    if r_s_bias is not None:
+        check_tensor("r_s_bias", r_s_bias, 2, (H, D), **bias)
+        check_tensor("seg_embed", seg_embed, 3, (2, H, D), **bias)
+    for name, t in (("q", q), ("q_g", q_g), ("k", k), ("v", v), ("k_r", k_r)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if k_r.shape[1] < k.shape[1] + 1:
+        raise ValueError(f"k_r needs at least K + 1 = {k.shape[1] + 1} rows, got R = {k_r.shape[1]}")
 
 
 def _check_dropout(dropout_p) -> float:
@@ -198,21 +271,30 @@ def _check_dropout(dropout_p) -> float:
 
 def validate(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None, q_seg=None, k_seg=None,
              attn_mask=None, q_rank=None, k_rank=None, q_pos=None, qlen=None, self_visible=True, self_rows=None,
-             scale=None, dropout_p=0.0, rows_cover_qlen=False) -> AttnArgs:
+             scale=None, dropout_p=0.0, rows_cover_qlen=False, q_g=None, masks=None,
+             bias_autocast=False) -> AttnArgs:
     """Check every argument of ``rel_attention`` (before any launch) and return its record; the seed
     is left None (drawn per call by the op). ``self_rows``: how many leading query rows also see their
-    own key (``rel_attention_two_stream``: the content rows); default all rows if ``self_visible``."""
-    _check_dense(q, k, v, k_r, r_w_bias, r_r_bias)
-    _check_segments(q, k, r_s_bias, seg_embed, q_seg, k_seg)
-    qlen = _check_query_rows(q, k, k_r, q_pos, qlen)
-    _check_masks(q, k, attn_mask, q_rank, k_rank)
-    if not isinstance(self_visible, bool):
-        raise TypeError(f"self_visible must be a bool, got {type(self_visible).__name__}")
-    if self_rows is None:
-        self_rows = q.shape[1] if self_visible else 0
-    elif not 0 <= self_rows <= q.shape[1]:
-        raise ValueError(f"self_rows must be in [0, M={q.shape[1]}], got {self_rows}")
-    return AttnArgs(r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask,
-                    q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=qlen,
-                    self_rows=self_rows, scale=resolve_scale(scale, q.shape[3]),
-                    dropout_p=_check_dropout(dropout_p), seed=None, rows_cover_qlen=rows_cover_qlen)
+    own key (``rel_attention_two_stream``: the content rows); default all rows if ``self_visible``.
+    ``q_g``: more query rows after q's (the query stream of a two-stream call). ``masks``: the masks
+    prepared beforehand (``PreparedMasks``, ``prepared.py``), instead of the mask keywords."""
+    _check_dense(q, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, bias_autocast)
+    B, M, K = q.shape[0], q.shape[1] + (q_g.shape[1] if q_g is not None else 0), k.shape[1]
+    raw = dict(q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos)
+    if masks is None:
+        masks = check_masks(B, M, K, q.device, qlen=qlen, self_visible=self_visible, self_rows=self_rows,
+                            rows_cover_qlen=rows_cover_qlen, **raw)
+    else:
+        given = [name for name, t in raw.items() if t is not None]
+        if given or qlen is not None or self_rows is not None or self_visible is not True:
+            raise ValueError(f"pass the masks prepared (masks=) or as keywords, not both: got masks and "
+                             f"{given + [n for n, t in (('qlen', qlen), ('self_rows', self_rows)) if t is not None]}")
+        masks.check_call(B, M, K, q.device)
+    if (masks.q_seg is None) != (seg_embed is None):
+        missing = ["r_s_bias", "seg_embed"] if seg_embed is None else ["q_seg", "k_seg"]
+        raise ValueError(f"the segment term needs r_s_bias, seg_embed, q_seg and k_seg; missing {missing}")
+    return AttnArgs(r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=masks.q_seg, k_seg=masks.k_seg,
+                    attn_mask=masks.attn_mask, q_rank=masks.q_rank, k_rank=masks.k_rank, q_pos=masks.q_pos,
+                    qlen=masks.qlen, self_rows=masks.self_rows, scale=resolve_scale(scale, q.shape[3]),
+                    dropout_p=_check_dropout(dropout_p), seed=None, rows_cover_qlen=masks.rows_cover_qlen,
+                    q_g=q_g, rows_table=masks.rows_table, keys_table=masks.keys_table)

@@ -87,9 +87,13 @@ def run_backend(backend: str, name: str, *args):
     """``forward``/``backward`` of a concrete backend, with torch.autocast off (the arguments come in
     the dtype they compute in; the backends choose their own accumulation precision); an
     out-of-memory error of the eager path says what to use instead."""
+    implementation = getattr(_implementation(backend), name)
     try:
-        with torch.autocast(args[0].device.type, enabled=False):
-            return getattr(_implementation(backend), name)(*args)
+        device_type = args[0].device.type
+        if not torch.is_autocast_enabled(device_type):  # entering a disabled autocast costs host time
+            return implementation(*args)
+        with torch.autocast(device_type, enabled=False):
+            return implementation(*args)
     except torch.OutOfMemoryError as exc:
         if backend != "eager":
             raise

@@ -5,7 +5,10 @@ Layout inside this module: heads before positions, i.e. ``(B, H, M, D)``. Scores
 raw[i, qlen + j - p_i]`` is read through a strided view (content stream) or a gather (target rows).
 
 Forward saves only ``out`` and the row log-sum-exp; backward recomputes the probabilities, like
-FlashAttention, so the per-layer memory kept for autograd is O(L), not O(L^2).
+FlashAttention, so the per-layer memory kept for autograd is O(L), not O(L^2). A call's second
+source of query rows (``q_g``, two-stream calls) is concatenated to q here; biases and seg_embed
+are taken in q's dtype (they may come in float32 under autocast) and their gradients returned in
+their own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ from .args import AttnArgs
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _all_rows(x: Tensor, x_g: Tensor | None) -> Tensor:
+    """Rows [0, L) from ``x``, the rest from ``x_g`` (a two-stream call's query stream)."""
+    return x if x_g is None else torch.cat([x, x_g.to(x.dtype)], dim=1)
+
+
+def _taken(t: Tensor, q: Tensor, acc: torch.dtype) -> Tensor:
+    """A bias parameter as the op computes with it: in q's dtype, then the accumulation dtype."""
+    return t.to(q.dtype).to(acc)
 
 
 def _rel_index(q_pos: Tensor | None, M: int, K: int, qlen: int, device) -> Tensor:
@@ -85,8 +98,8 @@ def _scores(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs):
     qf = q.to(acc).transpose(1, 2)
     kf = k.to(acc).transpose(1, 2)
     krf = k_r.to(acc).transpose(1, 2)
-    q_w = qf + r_w_bias.to(acc)[:, None, :]
-    q_r = qf + r_r_bias.to(acc)[:, None, :]
+    q_w = qf + _taken(r_w_bias, q, acc)[:, None, :]
+    q_r = qf + _taken(r_r_bias, q, acc)[:, None, :]
     s = torch.matmul(q_w * a.scale, kf.transpose(-1, -2))
     raw = torch.matmul(q_r * a.scale, krf.transpose(-1, -2))
     bd, idx = _shift(raw, a, K)
@@ -94,8 +107,8 @@ def _scores(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs):
     del raw, bd
     seg_diff, q_s = None, None
     if a.seg_embed is not None:
-        q_s = qf + a.r_s_bias.to(acc)[:, None, :]
-        e = torch.matmul(q_s * a.scale, a.seg_embed.to(acc).permute(1, 2, 0))  # (B, H, M, 2)
+        q_s = qf + _taken(a.r_s_bias, q, acc)[:, None, :]
+        e = torch.matmul(q_s * a.scale, _taken(a.seg_embed, q, acc).permute(1, 2, 0))  # (B, H, M, 2)
         seg_diff = (a.q_seg[:, :, None] != a.k_seg[:, None, :])[:, None]
         s = s.add_(torch.where(seg_diff, e[..., 1:2], e[..., 0:1]))
     vis = _visible(a, B, M, K, R, q.device)
@@ -113,7 +126,9 @@ def _dropout_keep(shape, a: AttnArgs, device) -> Tensor:
 
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> tuple[Tensor, Tensor]:
     """Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` in the accumulation dtype
-    (float32, or float64 for float64 inputs); +inf marks a row with no visible key."""
+    (float32, or float64 for float64 inputs); +inf marks a row with no visible key. M counts q's
+    rows and ``a.q_g``'s."""
+    q = _all_rows(q, a.q_g)
     s, vis, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     row_max = s.amax(-1)
     p = torch.softmax(s, dim=-1)
@@ -133,6 +148,7 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> tuple[Tensor, Tens
 
 def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
     """Attention probabilities (B, H, M, K) before dropout, for ``output_attentions``."""
+    q = _all_rows(q, a.q_g)
     s, vis, _ = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     p = torch.softmax(s, dim=-1)
     if vis is None:
@@ -141,8 +157,11 @@ def probabilities(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs) -> Tensor:
     return p.nan_to_num(0.0) if p.requires_grad else p.nan_to_num_(0.0)
 
 
-def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse):
-    """Gradients for q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed (docs/DESIGN.md §3)."""
+def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse, dout_g=None):
+    """Gradients for q (all M rows: q's, then ``a.q_g``'s), k, v, k_r, r_w_bias, r_r_bias, r_s_bias,
+    seg_embed (docs/DESIGN.md §3). ``dout`` covers out's rows [0, L) and ``dout_g`` the rest."""
+    q = _all_rows(q, a.q_g)
+    dout = _all_rows(dout, dout_g)
     s, _, sv = _scores(q, k, k_r, r_w_bias, r_r_bias, a)
     acc = s.dtype
     # lse is +inf on rows with no visible key, so those rows get p = 0 (not NaN)
@@ -178,7 +197,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a: AttnArgs, out, lse):
     if a.seg_embed is not None:
         g1 = (ds * sv["seg_diff"]).sum(-1)
         g0 = ds.sum(-1) - g1
-        seg = a.seg_embed.to(acc)
+        seg = _taken(a.seg_embed, q, acc)
         dq_s = g0[..., None] * seg[0][:, None] + g1[..., None] * seg[1][:, None]
         dq = dq + dq_s
         dr_s = dq_s.sum((0, 2))

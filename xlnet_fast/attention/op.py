@@ -3,29 +3,33 @@
 ``rel_attention`` validates its arguments (``args.validate``), picks the backend, then calls
 ``torch.ops.xlnet_fast.rel_attention`` (forward: ``out`` and the row log-sum-exp), whose autograd
 formula calls ``torch.ops.xlnet_fast.rel_attention_backward``. Both schemas are derived from the
-fields of ``AttnArgs``: the dense tensors, then each field in order, then ``backend``.
+fields of ``AttnArgs``: the dense tensors, then each field in order, then ``backend``. The masks come
+prepared once for many calls (``masks=``, ``prepared.py``) or raw, prepared by the call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import eager
-from .args import DENSE_ARGS, AttnArgs, check_index_tensor, check_tensor, schema_fields, validate
+from .args import DENSE_ARGS, AttnArgs, PreparedMasks, check_tensor, schema_fields, validate
 from .backends import backend_for_call, run_backend
+from .prepared import prepare_two_stream_masks
 
 _FIELDS = schema_fields()
 _FIELD_NAMES = tuple(name for name, _ in _FIELDS)
 _TENSOR_FIELDS = tuple(name for name, kind in _FIELDS if kind.startswith("Tensor"))
+_SCALAR_FIELDS = tuple(name for name in _FIELD_NAMES if name not in _TENSOR_FIELDS)
 _GRADS = ("dq", "dk", "dv", "dk_r", "dr_w_bias", "dr_r_bias", "dr_s_bias", "dseg_embed")
 
 
 def _schema(lead: tuple[str, ...], tail: tuple[str, ...], n_returns: int) -> str:
+    """``tail``: trailing tensors, optional (``Tensor?``) where the name ends in ``?``."""
     params = ([f"Tensor {n}" for n in lead] + [f"{kind} {n}" for n, kind in _FIELDS] + ["str backend"]
-              + [f"Tensor {n}" for n in tail])
+              + [f"Tensor? {n[:-1]}" if n.endswith("?") else f"Tensor {n}" for n in tail])
     return f"({', '.join(params)}) -> ({', '.join(['Tensor'] * n_returns)})"
 
 
@@ -40,6 +44,11 @@ def _unpack(args: tuple, n_lead: int) -> tuple[tuple, AttnArgs, str, tuple]:
     return args[:n_lead], record, args[end], args[end + 1:]
 
 
+def _rows(q: Tensor, a: AttnArgs) -> int:
+    """M, the call's query rows: q's and q_g's."""
+    return q.shape[1] + (a.q_g.shape[1] if a.q_g is not None else 0)
+
+
 # --------------------------------------------------------------------------------------------------
 # The torch.library ops
 # --------------------------------------------------------------------------------------------------
@@ -51,15 +60,16 @@ def _forward_impl(*args) -> tuple[Tensor, Tensor]:
 
 
 def _forward_fake(*args) -> tuple[Tensor, Tensor]:
-    (q, *_), _, _, _ = _unpack(args, len(DENSE_ARGS))
-    B, M, H, D = q.shape
+    (q, *_), a, _, _ = _unpack(args, len(DENSE_ARGS))
+    B, _, H, D = q.shape
+    M = _rows(q, a)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty((B, M, H, D)), q.new_empty((B, H, M), dtype=lse_dtype)
 
 
 def _backward_impl(*args) -> tuple[Tensor, ...]:
-    (dout, *dense), a, backend, (out, lse) = _unpack(args, 1 + len(DENSE_ARGS))
-    grads = run_backend(backend, "backward", dout, *dense, a, out, lse)
+    (dout, *dense), a, backend, (out, lse, dout_g) = _unpack(args, 1 + len(DENSE_ARGS))
+    grads = run_backend(backend, "backward", dout, *dense, a, out, lse, dout_g)
     return tuple(g.contiguous() for g in grads)
 
 
@@ -67,40 +77,111 @@ def _backward_fake(*args) -> tuple[Tensor, ...]:
     (_, q, k, v, k_r, r_w_bias, r_r_bias), a, _, _ = _unpack(args, 1 + len(DENSE_ARGS))
     seg_like = a.seg_embed if a.seg_embed is not None else r_w_bias.new_empty((2,) + tuple(r_w_bias.shape))
     bias_like = a.r_s_bias if a.r_s_bias is not None else r_w_bias
+    dq = q.new_empty((q.shape[0], _rows(q, a)) + tuple(q.shape[2:]))
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (q, k, v, k_r, r_w_bias, r_r_bias, bias_like, seg_like))
+                 for t in (dq, k, v, k_r, r_w_bias, r_r_bias, bias_like, seg_like))
 
 
 _forward_op = torch.library.custom_op("xlnet_fast::rel_attention", _forward_impl, mutates_args=(),
                                       schema=_schema(DENSE_ARGS, (), 2))
 _forward_op.register_fake(_forward_fake)
+# dout: the gradient of out's rows [0, L) (all M without q_g), dout_g of the rest (with q_g)
 _backward_op = torch.library.custom_op("xlnet_fast::rel_attention_backward", _backward_impl, mutates_args=(),
-                                       schema=_schema(("dout",) + DENSE_ARGS, ("out", "lse"), len(_GRADS)))
+                                       schema=_schema(("dout",) + DENSE_ARGS, ("out", "lse", "dout_g?"), len(_GRADS)))
 _backward_op.register_fake(_backward_fake)
+# the real implementations by op name (bench.host_cost runs them on meta tensors)
+REAL_IMPLEMENTATIONS = {"rel_attention": _forward_impl, "rel_attention_backward": _backward_impl}
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    dense, a, backend, _ = _unpack(inputs, len(DENSE_ARGS))
-    out, lse = output
-    ctx.record = dataclasses.replace(a, **dict.fromkeys(_TENSOR_FIELDS))  # tensors go to saved_tensors
-    ctx.backend = backend
-    ctx.save_for_backward(*dense, *(getattr(a, n) for n in _TENSOR_FIELDS), out, lse)
+# A call's fields travel through autograd as two tuples: the scalars (_SCALAR_FIELDS order) and the
+# tensors (_TENSOR_FIELDS order, saved for the backward); _fields puts them back in schema order.
+_FIELD_SLOTS = tuple((True, _TENSOR_FIELDS.index(n)) if n in _TENSOR_FIELDS else (False, _SCALAR_FIELDS.index(n))
+                     for n in _FIELD_NAMES)
+_SEG_EMBED, _Q_G = _TENSOR_FIELDS.index("seg_embed"), _TENSOR_FIELDS.index("q_g")
 
 
-def _backward(ctx, dout, _dlse):
+def _fields(scalars: tuple, tensors) -> list:
+    """The op's field arguments in schema order."""
+    return [tensors[i] if is_tensor else scalars[i] for is_tensor, i in _FIELD_SLOTS]
+
+
+def _save(ctx, backend: str, scalars: tuple, dense, field_tensors, out, lse) -> None:
+    ctx.backend, ctx.scalars, ctx.q_rows = backend, scalars, dense[0].shape[1]
+    ctx.save_for_backward(*dense, *field_tensors, out, lse)
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def _through_dispatcher(tensors) -> bool:
+    """Whether ``_RelAttention`` calls the ops through torch's dispatcher: while torch.compile traces
+    (it sees the op, opaque, and its fake), under a dispatch mode or with a tensor subclass among the
+    inputs (whatever they expect of an op). Else it calls their implementations directly: the
+    dispatcher's wrapper of a Python custom op costs ~25 µs per call (bench/NOTES.md)."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or any(type(t) not in _PLAIN_TENSORS for t in tensors if t is not None))
+
+
+def _gradients(ctx, dout: Tensor, dout_g: Tensor | None) -> tuple[tuple, list]:
+    """Run the backward op for the saved call: (the dense tensors' gradients, the tensor fields'
+    gradients in _TENSOR_FIELDS order). With ``q_g``, dq's rows [0, L) are q's gradient, the rest q_g's."""
     saved = ctx.saved_tensors
     n = len(DENSE_ARGS)
     dense, field_tensors, (out, lse) = saved[:n], saved[n:-2], saved[-2:]
-    a = dataclasses.replace(ctx.record, **dict(zip(_TENSOR_FIELDS, field_tensors)))
-    grads = dict(zip(_GRADS, torch.ops.xlnet_fast.rel_attention_backward(dout, *dense, *_flatten(a), ctx.backend,
-                                                                         out, lse)))
-    field_grads = dict.fromkeys(_FIELD_NAMES)
-    if a.has_segments:
-        field_grads.update(r_s_bias=grads["dr_s_bias"], seg_embed=grads["dseg_embed"])
-    return (*(grads[g] for g in _GRADS[:len(DENSE_ARGS)]), *field_grads.values(), None)  # None: backend
+    args = (dout, *dense, *_fields(ctx.scalars, field_tensors), ctx.backend, out, lse, dout_g)
+    backward = torch.ops.xlnet_fast.rel_attention_backward if _through_dispatcher(saved) else _backward_impl
+    grads = list(backward(*args))
+    fields = [None] * len(_TENSOR_FIELDS)
+    if field_tensors[_SEG_EMBED] is not None:
+        fields[_TENSOR_FIELDS.index("r_s_bias")], fields[_SEG_EMBED] = grads[6], grads[7]
+    if field_tensors[_Q_G] is not None:
+        grads[0], fields[_Q_G] = grads[0][:, :ctx.q_rows], grads[0][:, ctx.q_rows:]
+    return tuple(grads[:n]), fields
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    n, fields = len(DENSE_ARGS), inputs[len(DENSE_ARGS):len(DENSE_ARGS) + len(_FIELD_NAMES)]
+    scalars = tuple(f for f, name in zip(fields, _FIELD_NAMES) if name in _SCALAR_FIELDS)
+    tensors = tuple(f for f, name in zip(fields, _FIELD_NAMES) if name in _TENSOR_FIELDS)
+    _save(ctx, inputs[n + len(_FIELD_NAMES)], scalars, inputs[:n], tensors, *output)
+
+
+def _backward(ctx, dout, _dlse):
+    dout_g = None
+    if ctx.q_rows < dout.shape[1]:  # the call had q_g: out's rows past q's are its
+        dout, dout_g = dout[:, :ctx.q_rows], dout[:, ctx.q_rows:]
+    dense_grads, fields = _gradients(ctx, dout, dout_g)
+    return (*dense_grads, *_fields((None,) * len(_SCALAR_FIELDS), fields), None)  # None: backend
+
+
+# The op called directly (torch.ops.xlnet_fast.rel_attention) differentiates through this formula;
+# the entry points below take the same formula through _RelAttention.
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _RelAttention(torch.autograd.Function):
+    """The entry points' autograd boundary: the forward op, its saved tensors and the backward op as
+    ``register_autograd`` sets them up, without torch's generic wrapper around them (~220 µs per call
+    in grad mode against ~45 here: bench/NOTES.md), and in eager mode without the dispatcher
+    (``_through_dispatcher``). Returns ``out``, or with ``q_g`` its rows [0, L) and [L, M) apart
+    (views), whose gradients reach the backward op apart, never concatenated."""
+
+    @staticmethod
+    def forward(ctx, backend: str, scalars: tuple, *tensors):
+        n = len(DENSE_ARGS)
+        dense, field_tensors = tensors[:n], tensors[n:]
+        forward = torch.ops.xlnet_fast.rel_attention if _through_dispatcher(tensors) else _forward_impl
+        out, lse = forward(*dense, *_fields(scalars, field_tensors), backend)
+        _save(ctx, backend, scalars, dense, field_tensors, out, lse)
+        q_g = field_tensors[_Q_G]
+        if q_g is None:
+            return out
+        return tuple(out.split([ctx.q_rows, q_g.shape[1]], dim=1))
+
+    @staticmethod
+    def backward(ctx, dout, dout_g=None):
+        dense_grads, fields = _gradients(ctx, dout, dout_g)
+        return None, None, *dense_grads, *fields
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,28 +191,44 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _autocast(*tensors):
     """``tensors`` as the op computes on them: under ``torch.autocast`` on the first one's device, the
-    floating ones in the autocast dtype (the op is a product of matrices, like ``torch.matmul``; a
-    model's bias parameters stay float32 there while its projections come out in the autocast
-    dtype); otherwise, and for anything that is not a floating tensor, as given."""
+    floating ones in the autocast dtype (the op is a product of matrices, like ``torch.matmul``);
+    otherwise, and for anything that is not a floating tensor, as given. The biases and seg_embed
+    are not cast (a model's bias parameters stay float32 under autocast): the op takes them in q's
+    dtype itself, and their gradients come back in their own dtype."""
     lead = tensors[0]
     if not isinstance(lead, Tensor) or not torch.is_autocast_enabled(lead.device.type):
-        return tensors
+        return tensors, False
     dtype = torch.get_autocast_dtype(lead.device.type)
-    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors), True
 
 
-def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str) -> Tensor:
+def dropout_seed(device: torch.device, backend: str) -> Tensor:
+    """A call's dropout seed, 48 random bits: for the Triton backend from torch's generator of
+    ``device``, drawn there (no host sync; a CUDA graph that captured the call draws a new one at
+    each replay); for the eager backend from the CPU's, which it seeds a generator with."""
+    if backend == "triton":
+        return torch.randint(0, 2**48, (), dtype=torch.int64, device=device)
+    return torch.randint(0, 2**48, (), dtype=torch.int64)
+
+
+def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str):
     resolved = backend_for_call(backend, *dense[:4])
     if a.dropout_p > 0:
-        if dense[0].is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
-            # the seed below is drawn on the host: a graph would replay its first value, one mask
-            # (not checked while torch.compile traces, where the query cannot be folded)
-            raise RuntimeError("rel_attention with dropout_p > 0 cannot be captured in a CUDA graph: its "
-                               "dropout seed is drawn on the host, so every replay would drop the same "
-                               "scores; capture with dropout_p=0 (model.eval()) or leave the step uncaptured")
-        a = dataclasses.replace(a, seed=torch.randint(0, 2**62, (), dtype=torch.int64))
-    out, _ = torch.ops.xlnet_fast.rel_attention(*dense, *_flatten(a), resolved)
-    return out
+        if (resolved != "triton" and dense[0].is_cuda and not torch.compiler.is_compiling()
+                and torch.cuda.is_current_stream_capturing()):
+            # the eager backend's seed is drawn on the host: a graph would replay its first value
+            raise RuntimeError("rel_attention with dropout_p > 0 cannot be captured in a CUDA graph on the eager "
+                               "backend: its dropout seed is drawn on the host, so every replay would drop the same "
+                               "scores; use the Triton backend, capture with dropout_p=0 (model.eval()), or leave "
+                               "the step uncaptured")
+        a.seed = dropout_seed(dense[0].device, resolved)  # a: this call's own record (validate's)
+    if resolved == "triton" and a.rows_table is None:
+        from .. import kernels
+
+        a.rows_table, a.keys_table = kernels.mask_tables(a, dense[0].shape[0], _rows(dense[0], a), dense[1].shape[1],
+                                                         dense[0].device)
+    return _RelAttention.apply(resolved, tuple(getattr(a, n) for n in _SCALAR_FIELDS), *dense,
+                               *(getattr(a, n) for n in _TENSOR_FIELDS))
 
 
 def rel_attention(
@@ -152,6 +249,7 @@ def rel_attention(
     self_visible: bool = True,
     q_pos: Tensor | None = None,
     qlen: int | None = None,
+    masks: PreparedMasks | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -170,15 +268,16 @@ def rel_attention(
     q_pos: ``(B, M)`` int position of each query row in the current segment (negative = padding
     row, output 0); default ``arange(M)`` with ``qlen = M``.
     qlen: int, the current segment's length (default M).
+    masks: the masks above prepared once for many calls (``xlnet_fast.prepare_masks``), instead of
+    q_seg, k_seg, attn_mask, q_rank, k_rank, self_visible, q_pos and qlen.
     scale: float, default ``1/sqrt(D)``. dropout_p: float in [0, 1) on the probabilities.
     backend: ``"auto"``, ``"eager"`` or ``"triton"`` (forced: never falls back).
     Under ``torch.autocast`` the float tensors are taken in the autocast dtype.
     """
-    q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias,
-                                                                      seg_embed)
+    (q, k, v, k_r), autocast = _autocast(q, k, v, k_r)
     a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg,
                  k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=qlen,
-                 self_visible=self_visible, scale=scale, dropout_p=dropout_p)
+                 self_visible=self_visible, masks=masks, scale=scale, dropout_p=dropout_p, bias_autocast=autocast)
     return _call((q, k, v, k_r, r_w_bias, r_r_bias), a, backend)
 
 
@@ -191,7 +290,7 @@ def rel_attention_two_stream(
     r_w_bias: Tensor,
     r_r_bias: Tensor,
     *,
-    target_pos: Tensor,
+    target_pos: Tensor | None = None,
     r_s_bias: Tensor | None = None,
     seg_embed: Tensor | None = None,
     q_seg: Tensor | None = None,
@@ -200,6 +299,7 @@ def rel_attention_two_stream(
     attn_mask_g: Tensor | None = None,
     q_rank: Tensor | None = None,
     k_rank: Tensor | None = None,
+    masks: PreparedMasks | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -212,41 +312,37 @@ def rel_attention_two_stream(
     q_seg: ``(B, L)`` segments of the positions (target rows take theirs from it); k_seg: ``(B, K)``.
     q_rank: ``(B, L)``, k_rank: ``(B, K)`` int32 ranks for both streams; or dense
     attn_mask: ``(B, L, K)`` for the content stream with attn_mask_g: ``(B, P, K)`` for the targets.
+    masks: the masks above prepared once for many calls (``xlnet_fast.prepare_two_stream_masks``),
+    instead of target_pos, q_seg, k_seg, attn_mask, attn_mask_g, q_rank and k_rank.
     The other arguments as in ``rel_attention``. Returns ``(out_h (B, L, H, D), out_g (B, P, H, D))``.
     """
-    q_h, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(q_h, q_g, k, v, k_r, r_w_bias, r_r_bias,
-                                                                             r_s_bias, seg_embed)
+    (q_h, q_g, k, v, k_r), autocast = _autocast(q_h, q_g, k, v, k_r)
     check_tensor("q_h", q_h, 4)
     B, L = q_h.shape[:2]
     check_tensor("q_g", q_g, 4, (B, None) + tuple(q_h.shape[2:]), (q_h.dtype,), q_h.device)
-    check_index_tensor("target_pos", target_pos, (B, q_g.shape[1]), q_h.device)
-    if (attn_mask is None) != (attn_mask_g is None):
-        raise ValueError("attn_mask and attn_mask_g must be given together")
-    rows = target_pos.long().clamp(min=0)
-    q = torch.cat([q_h, q_g], dim=1)
-    q_pos = torch.cat([torch.arange(L, device=q.device).expand(B, L), target_pos.long()], dim=1)
-    if q_seg is not None:
-        check_index_tensor("q_seg", q_seg, (B, L), q.device)
-        q_seg = torch.cat([q_seg, q_seg.gather(1, rows)], dim=1)
-    if q_rank is not None:
-        check_index_tensor("q_rank", q_rank, (B, L), q.device, (torch.int32,))
-        q_rank = torch.cat([q_rank, q_rank.gather(1, rows)], dim=1)
-    if attn_mask is not None:
-        attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
-    # the content rows (the first L) see their own key, the target rows do not; every position
-    # 0..L-1 has a content row, so the kernels may take every tile as banded
-    a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg,
-                 k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=L,
-                 self_rows=L, scale=scale, dropout_p=dropout_p, rows_cover_qlen=True)
-    out = _call((q, k, v, k_r, r_w_bias, r_r_bias), a, backend)
-    return out[:, :L], out[:, L:]
+    raw = dict(target_pos=target_pos, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask, attn_mask_g=attn_mask_g,
+               q_rank=q_rank, k_rank=k_rank)
+    if masks is None:
+        if target_pos is None:
+            raise ValueError("rel_attention_two_stream needs target_pos (or masks= prepared with it)")
+        check_tensor("k", k, 4)
+        masks = prepare_two_stream_masks(B, L, k.shape[1], device=q_h.device, backend="eager", **raw)
+    elif any(t is not None for t in raw.values()):
+        raise ValueError("pass the masks prepared (masks=) or as keywords, not both: got masks and "
+                         f"{[name for name, t in raw.items() if t is not None]}")
+    if not masks.rows_cover_qlen or masks.self_rows != L:
+        raise ValueError("rel_attention_two_stream's masks= must come from prepare_two_stream_masks with qlen = "
+                         f"{L} (q_h's rows)")
+    a = validate(q_h, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_g=q_g, masks=masks,
+                 scale=scale, dropout_p=dropout_p, bias_autocast=autocast)
+    out_h, out_g = _call((q_h, k, v, k_r, r_w_bias, r_r_bias), a, backend)
+    return out_h, out_g
 
 
 def attention_probabilities(q, k, v, k_r, r_w_bias, r_r_bias, **kwargs) -> Tensor:
     """Eager attention probabilities ``(B, H, M, K)`` for ``rel_attention``'s arguments, before
     dropout (``dropout_p`` and ``backend`` are ignored); used for ``output_attentions``."""
     kwargs = {name: value for name, value in kwargs.items() if name not in ("backend", "dropout_p")}
-    q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed = _autocast(
-        q, k, v, k_r, r_w_bias, r_r_bias, kwargs.pop("r_s_bias", None), kwargs.pop("seg_embed", None))
-    a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, **kwargs)
+    (q, k, v, k_r), autocast = _autocast(q, k, v, k_r)
+    a = validate(q, k, v, k_r, r_w_bias, r_r_bias, bias_autocast=autocast, **kwargs)
     return eager.probabilities(q, k, k_r, r_w_bias, r_r_bias, a)

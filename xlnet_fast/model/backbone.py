@@ -114,12 +114,12 @@ class XLNetModel(XLNetPreTrainedModel):
             same_length=self.config.same_length, bi_data=self.config.bi_data, padding=a.padding,
             perm_mask=a.perm_mask, target_mapping=a.target_mapping, token_type_ids=a.token_type_ids,
             q_rank=a.q_rank, k_rank=a.k_rank, target_pos=a.target_pos,
-            separate_query_launch=a.output_attentions, average_blocked_rows=self.average_blocked_rows), device)
+            separate_query_launch=a.output_attentions, average_blocked_rows=self.average_blocked_rows,
+            backend=self.config.attn_backend), device)
         h = self.dropout(h)
         g = None
         if attention.has_query_stream:
-            P = a.target_mapping.shape[1] if a.target_mapping is not None else a.target_pos.shape[1]
-            g = self.dropout(self.mask_emb.expand(a.batch, P, -1))
+            g = self.dropout(self.mask_emb.expand(a.batch, attention.target_rows, -1))
         pos_emb = self.dropout(self.relative_positional_encoding(a.seq_len, a.mlen + a.seq_len, device))
         out = self._run_layers(h, g, pos_emb, attention, a)
         return out if a.return_dict else out.to_tuple()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention.args import check_tensor
+from ..attention.args import check_tensor, check_values
 from ..config import XLNetConfig
 
 logger = logging.getLogger(__name__)
@@ -102,11 +102,11 @@ def _as_bool_padding(attention_mask: Tensor | None, input_mask: Tensor | None) -
 
 
 def _check_target_pos_range(target_pos: Tensor | None, L: int) -> None:
-    if target_pos is None or not target_pos.numel() or torch.compiler.is_compiling():
+    """A check of values (``check_values``: no host sync on a GPU)."""
+    if target_pos is None or not target_pos.numel():
         return
-    top = int(target_pos.max())
-    if top >= L:
-        raise ValueError(f"target_pos values must be < seq_len = {L} (negative marks a padding row), got {top}")
+    top = target_pos.max()
+    check_values(top < L, f"target_pos values must be < seq_len = {L} (negative marks a padding row), got {{}}", top)
 
 
 def _check_tokens(config: XLNetConfig, weights: Tensor, input_ids, inputs_embeds) -> tuple[int, int]:
@@ -132,11 +132,10 @@ def _check_input_ids(config: XLNetConfig, input_ids) -> None:
                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
-    if input_ids.numel() and not torch.compiler.is_compiling():
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"input_ids must be in [0, vocab_size={vocab_size}), got values in "
-                             f"[{lo}, {hi}]")
+    if input_ids.numel():  # a check of values (check_values: no host sync on a GPU)
+        lo, hi = input_ids.min(), input_ids.max()
+        check_values((lo >= 0) & (hi < vocab_size),
+                     f"input_ids must be in [0, vocab_size={vocab_size}), got values in [{{}}, {{}}]", lo, hi)
 
 
 def _check_inputs_embeds(config: XLNetConfig, weights: Tensor, inputs_embeds) -> None:

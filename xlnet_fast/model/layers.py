@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 from ..attention import attention_probabilities, rel_attention, rel_attention_two_stream
 from ..config import XLNetConfig
-from ..masks import AttentionInputs, StreamMasks
+from ..attention import PreparedMasks
+from ..masks import AttentionInputs
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -80,8 +81,8 @@ class XLNetRelativeAttention(nn.Module):
             options.update(r_s_bias=self.r_s_bias, seg_embed=self.seg_embed)
         return options
 
-    def _attend(self, q, k, v, k_r, stream: StreamMasks, inputs: AttentionInputs, output_attentions: bool):
-        kwargs = dict(stream.op_kwargs(), qlen=inputs.qlen, **self._op_options(inputs))
+    def _attend(self, q, k, v, k_r, masks: PreparedMasks, inputs: AttentionInputs, output_attentions: bool):
+        kwargs = dict(masks=masks, **self._op_options(inputs))
         out = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
         probs = None
         if output_attentions:
@@ -90,11 +91,9 @@ class XLNetRelativeAttention(nn.Module):
 
     def _two_streams(self, h: Tensor, g: Tensor, k, v, k_r, inputs: AttentionInputs):
         """Both streams in one launch, the query stream on its target rows only."""
-        c = inputs.content
         attn_h, attn_g = rel_attention_two_stream(
             self._project(h, self.q), self._project(g, self.q), k, v, k_r, self.r_w_bias, self.r_r_bias,
-            target_pos=inputs.target_pos, q_seg=c.q_seg, k_seg=c.k_seg, attn_mask=c.attn_mask,
-            attn_mask_g=inputs.attn_mask_g, q_rank=c.q_rank, k_rank=c.k_rank, **self._op_options(inputs))
+            masks=inputs.joint, **self._op_options(inputs))
         attn_g, _ = _average_blocked_rows(attn_g, None, v, inputs.blocked_g)
         return self.post_attention(h, attn_h), self.post_attention(g, attn_g), None
 
@@ -121,7 +120,7 @@ class XLNetRelativeAttention(nn.Module):
         k_r = self._project(pos_emb.to(self.r.dtype), self.r)
         if inputs.k_r_index is not None:
             k_r = k_r[inputs.k_r_index]
-        if g is not None and inputs.joint:
+        if g is not None and inputs.joint is not None:
             return self._two_streams(h, g, k, v, k_r, inputs)
         attn_h, prob_h = self._attend(self._project(h, self.q), k, v, k_r, inputs.content, inputs, output_attentions)
         out_h = self.post_attention(h, attn_h)

@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention import attention_probabilities, rel_attention
+from ..attention import PreparedMasks, attention_probabilities, rel_attention
+from ..attention.args import check_values
 from ..generation import TransfoXLCache, generate_transfo_xl
-from ..masks import StreamMasks, causal_masks
+from ..masks import causal_masks
 from ..model.inputs import _check_mems, _check_tokens, _layer_mems
 from ..model.outputs import ModelOutput
 from ..model.pretrained import PreTrainedModel
@@ -58,7 +59,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         """``k_r (1, R, H, D)``: the relative position rows the op reads, from sinusoids ``(R, d)``."""
         return self._heads(self.r_net(pos_emb))[None]
 
-    def forward(self, h: Tensor, pos_emb: Tensor | None, mems: Tensor | None, masks: StreamMasks,
+    def forward(self, h: Tensor, pos_emb: Tensor | None, mems: Tensor | None, masks: PreparedMasks,
                 output_attentions: bool = False, memory_kv: tuple[Tensor, Tensor] | None = None,
                 k_r: Tensor | None = None) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
         """h ``(B, L, d)``, pos_emb ``(R, d)`` (R = K + 1), mems ``(B, mlen, d)`` or None. Generation
@@ -76,7 +77,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
             k, v = torch.cat([memory_kv[0], k], dim=1), torch.cat([memory_kv[1], v], dim=1)
         if k_r is None:
             k_r = self.project_positions(pos_emb)
-        kwargs = dict(masks.op_kwargs(), qlen=L)
+        kwargs = dict(masks=masks)
         dropout_p = self.config.dropatt if self.training else 0.0
         attn = rel_attention(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs, dropout_p=dropout_p,
                              backend=self.config.attn_backend)
@@ -110,7 +111,7 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         self.dec_attn = RelPartialLearnableMultiHeadAttn(config, r_w_bias, r_r_bias)
         self.pos_ff = PositionwiseFF(config)
 
-    def forward(self, h, pos_emb, mems, masks: StreamMasks, output_attentions=False, memory_kv=None, k_r=None):
+    def forward(self, h, pos_emb, mems, masks: PreparedMasks, output_attentions=False, memory_kv=None, k_r=None):
         h, probs, kv = self.dec_attn(h, pos_emb, mems, masks, output_attentions, memory_kv, k_r)
         return self.pos_ff(h), probs, kv
 
@@ -253,12 +254,12 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             pos_seq = pos_seq.clamp(max=self.config.clamp_len)
         return self.pos_emb(pos_seq)
 
-    def _masks(self, batch: int, qlen: int, mlen: int, device) -> StreamMasks:
+    def _masks(self, batch: int, qlen: int, mlen: int, device) -> PreparedMasks:
         """Causal masks; with ``same_length`` each query sees its last ``mem_len`` keys (4.x's and the
         original's mask once more than ``mem_len`` keys exist)."""
         c = self.config
         span = c.mem_len if c.same_length and mlen + qlen > c.mem_len else None
-        return causal_masks(batch, qlen, mlen, device, span=span)
+        return causal_masks(batch, qlen, mlen, device, span=span, backend=c.attn_backend)
 
     def forward(
         self,
@@ -338,9 +339,10 @@ def _check_labels(labels, B: int, L: int, vocab_size: int, device) -> None:
     if labels.device != device:
         raise ValueError(f"labels is on {labels.device} but the model is on {device}")
     bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))
-    if labels.numel() and bool(bad.any()):
-        raise ValueError(f"labels must be in [0, vocab_size={vocab_size}) or -100 (ignored), got "
-                         f"{int(labels[bad][0])}")
+    if labels.numel():  # a check of values (check_values: no host sync on a GPU)
+        first_bad = labels.flatten()[bad.flatten().int().argmax()]  # a bad label where there is one
+        check_values(~bad.any(), f"labels must be in [0, vocab_size={vocab_size}) or -100 (ignored), got {{}}",
+                     first_bad)
 
 
 class TransfoXLLMHeadModel(TransfoXLPreTrainedModel):

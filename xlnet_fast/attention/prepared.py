@@ -1,0 +1,73 @@
+"""Masks prepared once for many calls of the op: checked once, and with the Triton backend's tables.
+
+The op's masks (segments, ranks or a dense mask, query positions) depend on the inputs of a model's
+forward, not on its layers: ``prepare_masks`` / ``prepare_two_stream_masks`` check them and build
+what the kernels read (``xlnet_fast.kernels.mask_tables``: rows sorted by position, key ranks and
+segment codes) once, and every layer passes the result (``masks=``) to ``rel_attention`` /
+``rel_attention_two_stream``, forward and backward (the tables are saved for the backward like any
+input). A call given raw mask keywords prepares them itself, for that call only. No host sync: the
+checks of values (positions) go through ``args.check_values``. The record itself,
+``PreparedMasks``, and its checks live with the op's other arguments (``args.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .args import PreparedMasks, check_index_tensor, check_masks
+
+
+def _with_tables(masks: PreparedMasks, backend: str) -> PreparedMasks:
+    """``masks`` with the Triton backend's tables when ``backend`` resolves to it on their device."""
+    if masks.rows_table is None and backends.resolve_backend(backend, masks.device) == "triton":
+        from .. import kernels
+
+        masks.rows_table, masks.keys_table = kernels.mask_tables(masks, masks.batch, masks.rows, masks.keys,
+                                                                 masks.device)
+    return masks
+
+
+def prepare_masks(batch: int, rows: int, keys: int, *, device, q_seg: Tensor | None = None,
+                  k_seg: Tensor | None = None, attn_mask: Tensor | None = None, q_rank: Tensor | None = None,
+                  k_rank: Tensor | None = None, self_visible: bool = True, q_pos: Tensor | None = None,
+                  qlen: int | None = None, backend: str = "auto") -> PreparedMasks:
+    """``rel_attention``'s masks for calls with ``batch`` batch rows, ``rows`` query rows and ``keys``
+    keys on ``device``, checked once and, where ``backend`` runs the Triton kernels on that device,
+    with their tables; pass the result as ``rel_attention(..., masks=...)`` to every call that has
+    these masks (e.g. each layer of a model's forward). Keywords as in ``rel_attention``."""
+    return _with_tables(check_masks(batch, rows, keys, device, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask,
+                                    q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=qlen, self_visible=self_visible),
+                        backend)
+
+
+def prepare_two_stream_masks(batch: int, qlen: int, keys: int, *, device, target_pos: Tensor,
+                             q_seg: Tensor | None = None, k_seg: Tensor | None = None,
+                             attn_mask: Tensor | None = None, attn_mask_g: Tensor | None = None,
+                             q_rank: Tensor | None = None, k_rank: Tensor | None = None,
+                             backend: str = "auto") -> PreparedMasks:
+    """``rel_attention_two_stream``'s masks (its keywords; ``qlen`` = L, the content rows), checked and
+    prepared once: the content rows (one per position, each also seeing its own key) followed by the
+    query stream's target rows at ``target_pos (B, P)`` (negative = padding row), which take their
+    segments and ranks from their positions."""
+    device = torch.device(device)
+    check_index_tensor("target_pos", target_pos, (batch, None), device)
+    if (attn_mask is None) != (attn_mask_g is None):
+        raise ValueError("attn_mask and attn_mask_g must be given together")
+    L = qlen
+    at = target_pos.long().clamp(min=0)
+    q_pos = torch.cat([torch.arange(L, device=device).expand(batch, L), target_pos.long()], dim=1)
+    if q_seg is not None:
+        check_index_tensor("q_seg", q_seg, (batch, L), device)
+        q_seg = torch.cat([q_seg, q_seg.gather(1, at)], dim=1)
+    if q_rank is not None:
+        check_index_tensor("q_rank", q_rank, (batch, L), device, (torch.int32,))
+        q_rank = torch.cat([q_rank, q_rank.gather(1, at)], dim=1)
+    if attn_mask is not None:
+        attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
+    # the content rows (the first L) see their own key, the target rows do not; every position
+    # 0..L-1 has a content row, so the kernels may take every tile as banded
+    return _with_tables(check_masks(batch, L + target_pos.shape[1], keys, device, q_seg=q_seg, k_seg=k_seg,
+                                    attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=L, self_rows=L,
+                                    rows_cover_qlen=True), backend)
