@@ -1,0 +1,112 @@
+"""A stand-in for triton's CUDA driver: the kernels' real launch path on a machine without a GPU.
+
+Inside ``fake_gpu(arch)`` triton's JIT takes ``sm_<arch>`` as the current device: it binds and
+specialises the arguments, compiles with its bundled toolchain (cached like any compile), runs the
+autotuner, and launches through a stub that records the call (``FakeGpu.launches``) instead of
+reaching a GPU. Only the driver's own work is missing: the C launcher's argument packing and
+``cuLaunchKernelEx``. The autotuner "times" the configs it is given in order, so it picks the first
+(the candidates' best guess). Tensors may be on the CPU or the meta device: the kernels never run.
+
+Used to measure the host cost of a call (``bench.host_cost``) and to test that the launcher's bound
+launches pass triton what its JIT would (``tests/test_launch_cache.py``). Needs the kernels imported
+in compiled mode (``TRITON_INTERPRET`` unset) and a triton with its NVIDIA backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from dataclasses import dataclass, field
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+# What each arch lets one block use (bytes): triton checks it when it loads a kernel.
+MAX_SHARED_MEMORY = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
+
+
+@dataclass
+class Launch:
+    """One launch as it reached the driver: the kernel, its binary (triton's hash), grid and the
+    launcher's arguments."""
+
+    kernel: str
+    binary: str
+    grid: tuple
+    args: tuple
+
+
+@dataclass
+class FakeGpu:
+    """The fake device's record: every launch that reached the driver, in order."""
+
+    arch: int
+    launches: list = field(default_factory=list)
+
+    def count(self) -> int:
+        return len(self.launches)
+
+
+class _Launcher:
+    """Replaces triton's compiled C launcher of one kernel: records instead of launching."""
+
+    def __init__(self, gpu: FakeGpu, src, metadata):
+        self.gpu, self.name, self.binary = gpu, src.fn.__name__, getattr(metadata, "hash", "")
+
+    def __call__(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
+                 exit_hook, *args):
+        self.gpu.launches.append(Launch(self.name, self.binary, (grid_x, grid_y, grid_z), args))
+
+
+class _Driver:
+    """The part of triton's ``CudaDriver`` the JIT, the compiler and the autotuner call."""
+
+    def __init__(self, gpu: FakeGpu):
+        self.target = GPUTarget("cuda", gpu.arch, 32)
+        properties = {"max_shared_mem": MAX_SHARED_MEMORY.get(gpu.arch, MAX_SHARED_MEMORY[80]),
+                      "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+        self.utils = types.SimpleNamespace(
+            load_binary=lambda name, kernel, shared, device: (None, None, 0, 0, 1024),
+            get_device_properties=lambda device: properties)
+        self.launcher_cls = lambda src, metadata: _Launcher(gpu, src, metadata)
+        order = itertools.count()
+        # each config "timed" takes longer than the one before: the autotuner keeps the first
+        self._bench = lambda kernel_call, quantiles=None, **_: (kernel_call(), [float(next(order))] * 3)[1]
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_capability(self, device=None):
+        return divmod(self.target.arch, 10)
+
+    def get_active_torch_device(self):
+        return torch.device("meta")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        return self._bench
+
+
+@contextlib.contextmanager
+def fake_gpu(arch: int = 90):
+    """Within the block triton compiles for and "launches" on a fake ``sm_<arch>`` (see module doc)."""
+    gpu = FakeGpu(arch)
+    saved = driver._active
+    driver.set_active(_Driver(gpu))
+    try:
+        yield gpu
+    finally:
+        driver._active = saved
