@@ -1,0 +1,156 @@
+"""The op's host path, as a GPU would run it: masks prepared once per forward, no host sync, and the
+launches a layer call makes (issue 33). On CPU the Triton kernels' launches are counted instead of run
+(the launcher's one launch point, ``kernels._run``; the interpreter is not needed to count), PyTorch's
+ops are counted by ``bench.host_cost``'s dispatch mode (the ones that would run a GPU kernel), and
+checks of tensor values take their GPU form (assertions on the device, ``args.check_values``), so
+that a read of a tensor on the host is a sync the GPU would pay. The figures in µs are
+``python -m bench.host_cost``'s (bench/NOTES.md); no test here times anything.
+"""
+
+import contextlib
+
+import pytest
+import torch
+from helpers.models import SMALL
+
+import xlnet_fast
+from xlnet_fast import XLNetLMHeadModel
+from xlnet_fast.config import XLNetConfig
+from xlnet_fast.attention import args as op_args
+
+B, L, P, MLEN, H, D = 2, 16, 3, 8, 2, 16
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """Kernel launches counted (by role) instead of run; checks of values on the device."""
+    from xlnet_fast import kernels
+
+    launched = []
+
+    def run(role, grid, shape, static, tensors, deterministic, config=None):
+        launched.append(role)
+        return kernels._k.INTERPRETER_TILES
+
+    monkeypatch.setattr(kernels, "_run", run)
+    monkeypatch.setattr(op_args, "host_value_checks", lambda device: False)
+    return launched
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Every read of a tensor's value on the host, by the method that read it."""
+    reads, saved = [], {name: getattr(torch.Tensor, name) for name in READS}
+
+    def spy(name):
+        def read(self, *args):
+            reads.append(name)
+            return saved[name](self, *args)
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        yield reads
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def layer_call():
+    """The call each layer of pretraining makes: both streams, ranks, segments, dropout, masks
+    prepared once; returns (call, differentiable inputs, upstream gradients)."""
+    g = torch.Generator().manual_seed(0)
+    K = MLEN + L
+    leaves = [torch.randn(*shape, generator=g).requires_grad_() for shape in
+              ((B, L, H, D), (B, P, H, D), (B, K, H, D), (B, K, H, D), (1, K + L, H, D), (H, D), (H, D), (H, D),
+               (2, H, D))]
+    masks = xlnet_fast.prepare_two_stream_masks(
+        B, L, K, device="cpu", target_pos=torch.randint(-1, L, (B, P), generator=g),
+        q_seg=torch.randint(0, 2, (B, L), generator=g), k_seg=torch.randint(0, 2, (B, K), generator=g),
+        q_rank=torch.randint(0, L, (B, L), generator=g, dtype=torch.int32),
+        k_rank=torch.randint(0, L, (B, K), generator=g, dtype=torch.int32), backend="triton")
+
+    def call():
+        *dense, r_s_bias, seg_embed = leaves
+        return xlnet_fast.rel_attention_two_stream(*dense, r_s_bias=r_s_bias, seg_embed=seg_embed, masks=masks,
+                                                   dropout_p=0.1, backend="triton")
+
+    return call, leaves, [torch.randn(B, L, H, D), torch.randn(B, P, H, D)]
+
+
+def test_a_layer_call_makes_at_most_4_launches_forward_and_10_with_backward(gpu_like):
+    """Both streams in one launch, the tables prepared beforehand, the gradients of k_r, the biases
+    and seg_embed in one pass: forward = the dropout seed's draw, the query operands, the forward
+    kernel; backward = the query operands again (kept, they would cost 2x q's memory per layer), dO's
+    operands (which also clear dk_r's sums), dK/dV and its segment fix-up, dQ, the last pass."""
+    from bench.host_cost import _CountOps
+
+    call, leaves, upstream = layer_call()
+    with _CountOps() as ops:
+        outputs = call()
+    forward = gpu_like + [f"torch.{name}" for name, n in ops.ops.items() for _ in range(n)]
+    assert len(forward) <= 4, forward
+    del gpu_like[:]
+    with _CountOps() as ops:
+        torch.autograd.grad(outputs, leaves, upstream)
+    backward = gpu_like + [f"torch.{name}" for name, n in ops.ops.items() for _ in range(n)]
+    assert len(forward) + len(backward) <= 10, (forward, backward)
+    assert gpu_like == ["qops", "gops", "dkdv", "fixup", "dq", "finish"] and ops.ops == {}, (gpu_like, ops.ops)
+
+
+def test_prepared_masks_build_nothing_per_call(gpu_like):
+    """Every table the kernels read comes prepared: a call makes no PyTorch op on the masks (the
+    tables' build was 41 small kernels per layer, forward and again backward)."""
+    from bench.host_cost import _CountOps
+
+    call, _, _ = layer_call()
+    with torch.no_grad(), _CountOps() as ops:
+        call()
+    assert ops.ops == {"randint": 1}, ops.ops  # the dropout seed, drawn on the device
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_no_host_sync_in_a_pretraining_step(gpu_like, n_layer):
+    """XLNet's pretraining forward and backward on the Triton path (ranks, target positions,
+    segments, memory, labels, dropout) read no tensor on the host: not per layer (the op's position
+    check, its dropout seed, the tables' build), not per forward (the token id and target position
+    checks are assertions on the device). A read is a sync on a GPU and breaks CUDA-graph capture."""
+    c = XLNetConfig(**{**SMALL, "n_layer": n_layer, "dropout": 0.1, "mem_len": MLEN}, attn_backend="triton")
+    model = XLNetLMHeadModel(c).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
+    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
+    target_pos = torch.randint(0, L, (B, P), generator=g)
+    mems = [torch.randn(MLEN, B, c.d_model) for _ in range(n_layer)]
+    with host_reads() as reads:
+        out = model(ids, q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
+                    mems=mems, labels=ids.gather(1, target_pos), use_mems=True)
+        out.loss.backward()
+    assert reads == []
+    assert gpu_like.count("fwd") == n_layer  # one launch per layer for both streams
+
+
+@pytest.mark.parametrize("backend", ["triton", "eager"])
+def test_a_training_step_with_dropout_compiles_to_one_graph(backend):
+    """``torch.compile(model, fullgraph=True)`` traces XLNet's pretraining forward (two streams, ranks,
+    segments, memory, dropout) and its backward as one graph each: no host read breaks it (the op
+    is opaque to the compiler, with a fake for shapes), and the compiled step matches the eager
+    one with dropout off."""
+    c = XLNetConfig(**{**SMALL, "dropout": 0.1, "mem_len": MLEN}, attn_backend=backend)
+    model = XLNetLMHeadModel(c).train()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
+    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
+    target_pos = torch.randint(0, L, (B, P), generator=g)
+    inputs = dict(q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
+                  mems=[torch.randn(MLEN, B, c.d_model, generator=g) for _ in range(c.n_layer)],
+                  labels=ids.gather(1, target_pos), use_mems=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(ids, **inputs).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()  # no dropout: the same numbers as eager
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, **inputs).loss, model(ids, **inputs).loss)
