@@ -154,3 +154,26 @@ def test_a_training_step_with_dropout_compiles_to_one_graph(backend):
     model.eval()  # no dropout: the same numbers as eager
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids, **inputs).loss, model(ids, **inputs).loss)
+
+
+def test_the_patched_transformers_model_compiles():
+    """A drop-in user's ``torch.compile`` of a patched transformers model (dense ``perm_mask`` and
+    one-hot ``target_mapping``) runs and gives eager's loss and gradients: the read of whether the
+    mapping is one-hot breaks the graph there, it does not fail."""
+    from helpers.models import hf_model, token_ids
+
+    model = xlnet_fast.patch_transformers(hf_model("XLNetLMHeadModel", seed=4))
+    ids = token_ids(B, L, seed=5)
+    g = torch.Generator().manual_seed(6)
+    perm_mask = (torch.rand(B, L, L, generator=g) < 0.5).float()
+    target_mapping = torch.zeros(B, P, L).scatter_(2, torch.randperm(L, generator=g)[:P].expand(B, P)[..., None], 1.0)
+    inputs = dict(perm_mask=perm_mask, target_mapping=target_mapping, labels=ids[:, :P].contiguous())
+    eager = model(ids, **inputs).loss
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()), allow_unused=True)
+    compiled = torch.compile(model, backend="aot_eager")(ids, **inputs).loss
+    compiled_grads = torch.autograd.grad(compiled, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
