@@ -4,13 +4,15 @@ generate, Trainer); from_hf / to_hf; a Liger-style convergence check."""
 
 import copy
 import inspect
+import logging
 import typing
 
 import pytest
 import torch
 import transformers
 from helpers.compare import rel_err
-from helpers.models import SMALL, hf_model, twins
+from helpers.models import SMALL, assert_visible, hf_model, scaled_hf_model, twins, without_positions
+from helpers.spy import OpCalls, hf_core_calls
 from transformers.models.xlnet import modeling_xlnet
 
 import xlnet_fast
@@ -432,3 +434,114 @@ def test_trainer_fine_tuning_same_loss_curve(name, tmp_path):
                            tmp_path / "fast", loss_func)
     assert len(plain) == 5
     assert plain == pytest.approx(fast, rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which forward ran: xlnet_fast's (the op's calls, on the patch's backend) or transformers' own
+# (its attention core's calls), at a weight scale where every term matters (helpers.models.SCALE)
+# ---------------------------------------------------------------------------------------------
+
+
+def _tm(positions, length=L):
+    return _target_mapping(length, positions)
+
+
+TOKEN_TYPES = (torch.arange(L) >= 5).long().expand(B, L)
+# case: (model class, config overrides, keywords of the second call; the first call gives it its mems)
+PATCH_RUNS = {
+    "lm_mems_segments_padding": ("XLNetLMHeadModel", {}, dict(token_type_ids=TOKEN_TYPES,
+                                                             attention_mask=inputs()[1]["attention_mask"])),
+    "two_stream_perm_mask_targets": ("XLNetLMHeadModel", {}, dict(
+        token_type_ids=TOKEN_TYPES, perm_mask=inputs(two_stream=True)[1]["perm_mask"], target_mapping=_tm([3, 6, 8]))),
+    "soft_target_mapping": ("XLNetLMHeadModel", {}, dict(
+        token_type_ids=TOKEN_TYPES, target_mapping=torch.rand(B, 2, L, generator=torch.Generator().manual_seed(3)))),
+    "targets_with_attentions": ("XLNetLMHeadModel", {}, dict(target_mapping=_tm([0, 4]), output_attentions=True)),
+    "bi_data_clamp_len": ("XLNetLMHeadModel", dict(bi_data=True, clamp_len=3), dict(token_type_ids=TOKEN_TYPES)),
+    "uni_same_length": ("XLNetLMHeadModel", dict(attn_type="uni", same_length=True), {}),
+    "sequence_classification": ("XLNetForSequenceClassification", {}, dict(
+        token_type_ids=TOKEN_TYPES, attention_mask=inputs()[1]["attention_mask"])),
+}
+
+
+def _loss(out):
+    logits = out.logits
+    return (logits * torch.linspace(-1, 1, logits.shape[-1])).sum()
+
+
+@pytest.mark.parametrize("case", sorted(PATCH_RUNS))
+def test_patched_forward_runs_xlnet_fast(case, monkeypatch):
+    """Every forward of the patched model, the one given mems included, runs xlnet_fast's op on the
+    patch's backend and never transformers' attention core; outputs and gradients are transformers'
+    at a scale where the memory and the positions change them far above the tolerance."""
+    name, overrides, kw = PATCH_RUNS[case]
+    ref_model = scaled_hf_model(name, **overrides)
+    patched = xlnet_fast.patch_transformers(copy.deepcopy(ref_model), backend="eager")
+    ids, _ = inputs()
+    with torch.no_grad():
+        mems = ref_model(ids.flip(1), use_mems=True).mems
+        expected = ref_model(ids, mems=mems, **kw)
+        assert_visible("the memory", ref_model(ids, **kw).logits, expected.logits, 1e-5)
+        assert_visible("the positions", without_positions(ref_model)(ids, mems=mems, **kw).logits, expected.logits,
+                       1e-5)
+    ref_model.zero_grad()
+    _loss(ref_model(ids, mems=mems, **kw)).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref_model.named_parameters() if p.grad is not None}
+    n_layer = ref_model.config.n_layer
+    with hf_core_calls(monkeypatch) as hf_core, OpCalls() as ops:
+        with torch.no_grad():
+            first = patched(ids.flip(1), use_mems=True)
+            assert ops.count() >= n_layer and hf_core == [0]
+        out = patched(ids, mems=first.mems, **kw)
+        assert ops.count() >= 2 * n_layer and hf_core == [0], (ops.calls, hf_core)
+        _loss(out).backward()
+    assert ops.backends() == {"eager"} and ops.count("rel_attention_backward") >= n_layer
+    assert rel_err(out.logits, expected.logits) < 1e-5
+    grads = {n: p.grad for n, p in patched.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        assert rel_err(grads[n], ref_grads[n]) < 1e-4, n
+
+
+# the inputs of ACCEPTED_INPUTS that xlnet_fast's own XLNetModel rejects: transformers' forward runs them
+FALLS_BACK = {"attention_mask_broadcast_over_keys", "mems_with_a_missing_layer", "mems_with_an_extra_layer",
+              "perm_mask_broadcast_over_queries", "target_mapping_longer_than_input",
+              "target_mapping_shorter_than_input"}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED_INPUTS))
+def test_each_accepted_input_runs_the_forward_it_should(case, monkeypatch):
+    assert FALLS_BACK <= set(ACCEPTED_INPUTS)
+    torch.manual_seed(1)
+    ref, patched = backbone_pair()
+    ids, _ = inputs()
+    with torch.no_grad():
+        mems = ref(ids, use_mems=True).mems
+        kw = ACCEPTED_INPUTS[case](mems)
+        with hf_core_calls(monkeypatch) as hf_core, OpCalls() as ops:
+            patched(ids, **kw)
+    if case in FALLS_BACK:
+        assert ops.count() == 0 and hf_core[0] >= SMALL["n_layer"], (ops.calls, hf_core)  # one per stream
+    else:
+        assert ops.count() >= SMALL["n_layer"] and hf_core == [0], (ops.calls, hf_core)
+
+
+def test_each_kind_of_rejection_is_warned_once(monkeypatch, caplog):
+    """Regression: the once-only fallback warning was keyed on the message's first word, so a float
+    token_type_ids (a wrong dtype) silenced the warning for a (B, 1) one (a wrong shape). Now one
+    warning per kind of rejection; the same kind at other sizes is not warned again."""
+    from xlnet_fast import hf_patch
+
+    monkeypatch.setattr(hf_patch, "_fallbacks_logged", set(), raising=False)
+    _, patched = backbone_pair()
+    ids, _ = inputs()
+    calls = [dict(token_type_ids=TOKEN_TYPES.float()), dict(token_type_ids=TOKEN_TYPES.float().flip(1)),
+             dict(token_type_ids=torch.ones(B, 1, dtype=torch.long)), dict(target_mapping=_tm([L], L + 1)),
+             dict(target_mapping=torch.rand(B, 2, L - 1))]
+    with caplog.at_level(logging.WARNING, logger="xlnet_fast.hf_patch"), torch.no_grad():
+        for kw in calls:
+            patched(ids, **kw)
+    warned = [r.getMessage() for r in caplog.records if "does not take this input" in r.getMessage()]
+    assert len(warned) == 3, warned
+    assert sum("token_type_ids must be an integer tensor" in w for w in warned) == 1
+    assert sum("token_type_ids must have shape" in w for w in warned) == 1
+    assert sum("target_mapping must have shape" in w for w in warned) == 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 import types
 from typing import Any
 
@@ -39,7 +40,8 @@ _LIVE_CONFIG_FIELDS = ("vocab_size", "attn_type", "same_length", "bi_data", "cla
                        "output_hidden_states", "return_dict")
 _ORIGINAL: dict[str, Any] = {}
 _FAST_FORWARDS: dict[Any, Any] = {}
-_fallbacks_logged: set[str] = set()
+_fallbacks_logged: set[str] = set()  # the kinds of rejection warned about (_rejection_kind)
+_NUMBER = re.compile(r"\d+")
 
 
 def _hf_xlnet():
@@ -97,9 +99,17 @@ def _backbone_for(hf_backbone: nn.Module) -> XLNetModel:
     return ours
 
 
+def _rejection_kind(exc: Exception) -> str:
+    """What a rejection is, whatever the sizes in it: the error's type and message with each number
+    replaced (``ValueError: target_mapping must have shape (#, *, #), got (#, #, #)``)."""
+    return f"{type(exc).__name__}: {_NUMBER.sub('#', str(exc))}"
+
+
 def _log_fallback(exc: Exception) -> None:
+    """Warn once per kind of rejection: two kinds (a wrong dtype, a wrong shape of one argument) warn
+    twice, one kind at other sizes once."""
     message = str(exc)
-    key = message.split(" ", 1)[0]
+    key = _rejection_kind(exc)
     if key not in _fallbacks_logged:
         _fallbacks_logged.add(key)
         logger.warning("xlnet_fast does not take this input (%s); transformers' own XLNetModel.forward "
