@@ -15,7 +15,7 @@ from helpers.attention import (ARG_NAMES, GRAD_NAMES, draw_query_rows, eager_att
                                seq_first_views, triton_attention)
 from helpers.compare import rel_err
 from helpers.reference import dropout_keep_reference, philox4x32, reference_attention
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import xlnet_fast
@@ -116,6 +116,34 @@ def test_deterministic_dk_r_is_bitwise_reproducible():
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the atomics' order varies only on a GPU")
+@pytest.mark.parametrize("targets", [False, True])
+def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(targets):
+    """Under torch.use_deterministic_algorithms every output and gradient, not only dk_r, is the same
+    bit for bit over repeated runs, at a size where the default path's fp32 atomics on dk_r land in
+    an order that varies (many query tiles per k_r row); in the interpreter they run in order, so on
+    a CPU the test could not fail. And close to the float64 eager path (a sanity check at this size:
+    the tolerances are the other tests' and bench.gpu_check's)."""
+    L, mlen = 384, 128
+    q_pos = torch.randint(-1, L, (2, 160), generator=torch.Generator().manual_seed(4)) if targets else None
+    case = make_case(B=2, M=160 if targets else L, qlen=L, H=4, D=64, mlen=mlen, mask="rank",
+                     self_visible=not targets, q_pos=q_pos, dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [grads(triton_attention, case, dout) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (out, g), rest = runs[0], runs[1:]
+    for other_out, other_g in rest:
+        assert torch.equal(other_out, out)
+        for n, a, b in zip(GRAD_NAMES, other_g, g):
+            assert torch.equal(a, b), n
+    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    assert rel(out, ref_out) < 1e-4
+    assert_grads_match(g, g_ref, tol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -310,7 +338,7 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["triton", "eager"])
-def test_cuda_graph_capture_replays_the_call_and_draws_dropout_per_replay(backend):
+def test_cuda_graph_capture_replays_the_call_and_draws_dropout_per_replay_on_gpu(backend):
     """Without dropout a captured graph replays the call exactly. With dropout the Triton backend's
     seed is drawn on the device (torch's CUDA generator, which CUDA graphs advance per replay): each
     replay drops other scores, at the rate asked. The eager backend draws its seed on the host, where
@@ -398,6 +426,31 @@ def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, s
     case = make_case(B=B, M=M, H=1, D=16, mlen=mlen, qlen=qlen, R=K + 1 if uni else None, seg=seg, mask=mask,
                      self_visible=self_visible, q_pos=q_pos, dtype=torch.float32, seed=seed).to(device=DEVICE)
     dout = torch.randn(case.q.shape, device=DEVICE)
+    out, g_tri = grads(triton_attention, case, dout)
+    ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    assert rel(out, ref) < 1e-5 or (out - ref).abs().max() < 1e-6
+    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
+        assert rel(a, b) < 1e-4 or (a.double() - b).abs().max() < 1e-6, n
+
+
+@pytest.mark.parametrize("D", [16, 64, 128])
+# no shrinking: in the interpreter it replays hundreds of examples (17 minutes on a failure)
+@settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(B=st.integers(1, 2), H=st.integers(2, 3), qlen=st.integers(1, 24), mlen=st.integers(0, 12),
+       targets=st.booleans(), mask=st.sampled_from([None, "dense", "rank"]), self_visible=st.booleans(),
+       seg=st.booleans(), uni=st.booleans(), per_batch=st.booleans(), seed=st.integers(0, 1000))
+def test_fuzz_heads_and_head_dims_against_eager(D, B, H, qlen, mlen, targets, mask, self_visible, seg, uni, per_batch,
+                                                seed):
+    """The fuzz grid over several heads (per-head offsets of every operand and table) and the head
+    dims XLNet and Transformer-XL use (16 in the tests, 64 XLNet's, 128 the kernels' largest, where the
+    dQ kernel reads its k_r rows again instead of carrying them)."""
+    g = torch.Generator().manual_seed(seed)
+    K = qlen + mlen
+    q_pos, M = draw_query_rows(g, B, qlen, targets)
+    case = make_case(B=B, M=M, H=H, D=D, mlen=mlen, qlen=qlen, Br=B if per_batch else 1, R=K + 1 if uni else None,
+                     seg=seg, mask=mask, self_visible=self_visible, q_pos=q_pos, dtype=torch.float32,
+                     seed=seed).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=g).to(DEVICE)
     out, g_tri = grads(triton_attention, case, dout)
     ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     assert rel(out, ref) < 1e-5 or (out - ref).abs().max() < 1e-6
