@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers.pretraining import WORDS, free_port, pretrain_command, reference_tokens, train_config
+from helpers.pretraining import (WORDS, free_port, pretrain_command, reference_tokens, stopped_after,
+                                 train_config)
 from helpers.reference import original_local_perm
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
@@ -151,6 +152,37 @@ def test_exact_resume(corpus, tmp_path):
     w_got = read_model_state(str(other / "checkpoints" / "step_0000006"))
     for k in w_ref:
         torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_exact_resume_with_accumulation_bi_data_checkpointing_and_evals(corpus, tmp_path):
+    """Exact resume at the settings the first exact-resume test leaves out: gradient accumulation,
+    bi_data, activation checkpointing and an evaluation every 2 steps (one before the checkpoint the
+    run resumes from), with dropout: the same training and eval losses and the same weights as the
+    run that did not stop. And activation checkpointing changes nothing: the run without it has
+    the same losses (its recomputation redraws the same dropout masks)."""
+    settings = dict(steps=6, save_every=3, keep=5, grad_accum=2, bi_data=True, checkpointing=True, eval_every=2,
+                    dropout=0.1)
+    cache = tmp_path / "cache"
+    pretrain(train_config(tmp_path / "run", corpus, cache, **settings))
+    ref = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [(r["step"], "eval_loss" in r) for r in ref] == [
+        (1, False), (2, False), (2, True), (3, False), (4, False), (4, True), (5, False), (6, False), (6, True)]
+    stopped_after(tmp_path / "run", 3, tmp_path / "other")
+    pretrain(train_config(tmp_path / "other", corpus, cache, **settings, resume=True))
+    got = [json.loads(line) for line in open(tmp_path / "other" / "metrics.jsonl")]
+    assert [(r["step"], "eval_loss" in r) for r in got] == [(r["step"], "eval_loss" in r) for r in ref]
+    for a, b in zip(got, ref):
+        key = "eval_loss" if "eval_loss" in a else "loss"
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a, b)
+    w_ref = read_model_state(str(tmp_path / "run" / "checkpoints" / "step_0000006"))
+    w_got = read_model_state(str(tmp_path / "other" / "checkpoints" / "step_0000006"))
+    for k in w_ref:
+        torch.testing.assert_close(w_got[k], w_ref[k], rtol=1e-6, atol=1e-7)
+    pretrain(train_config(tmp_path / "plain", corpus, cache, **{**settings, "checkpointing": False}))
+    plain = [json.loads(line) for line in open(tmp_path / "plain" / "metrics.jsonl")]
+    for a, b in zip(plain, ref, strict=True):
+        key = "eval_loss" if "eval_loss" in a else "loss"
+        assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (a, b)
 
 
 def _cli(tmp_path, corpus, *extra):

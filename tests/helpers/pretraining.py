@@ -84,3 +84,18 @@ def as_written_before_0_1(step_dir) -> None:
     torch.save({"rng": {"torch": torch.get_rng_state()}, "data": {}, "mems": None}, step_dir / "rank0.pt")
     files = {name: hash_file(str(step_dir / name)) for name in sorted(os.listdir(step_dir))}
     (step_dir / "COMPLETE").write_text(json.dumps({"step": step, "files": files}, indent=1))
+
+
+def stopped_after(run, step: int, into) -> None:
+    """Make ``into`` the run directory that the run in ``run`` would have left had it stopped right
+    after its step-``step`` checkpoint: that checkpoint, and the metrics rows (steps and evaluations)
+    up to that step."""
+    import shutil
+    from pathlib import Path
+
+    run, into = Path(run), Path(into)
+    name = f"step_{step:07d}"
+    shutil.copytree(run / "checkpoints" / name, into / "checkpoints" / name)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    with open(into / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
