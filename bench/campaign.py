@@ -357,7 +357,15 @@ def parse_pytest(lines: list) -> dict:
             if m:
                 counts[_OUTCOME[m.group(1)]] = counts.get(_OUTCOME[m.group(1)], 0) + 1
     failed = sorted({line.split()[1] for line in lines if re.match(r"^(FAILED|ERROR) \S+::", line)})
-    return {"counts": counts, "closing_line": closing, "failed_tests": failed}
+    # the tests only a GPU runs (named *_on_gpu, tests/test_campaign.py checks it): the record names
+    # each with its outcome, from the -v lines
+    gpu_only = {}
+    for line in lines:
+        test = re.search(r"\S+::\S*_on_gpu\S*", line)
+        outcome = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", line)
+        if test and outcome:
+            gpu_only[test.group(0)] = _OUTCOME[outcome.group(1)]
+    return {"counts": counts, "closing_line": closing, "failed_tests": failed, "gpu_only_tests": gpu_only}
 
 
 def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:

@@ -196,6 +196,42 @@ def test_pytest_output_is_counted_from_the_closing_line_or_the_test_lines():
     assert got["closing_line"] is None and got["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
 
 
+def test_gpu_only_tests_are_named_in_the_record_with_their_outcome():
+    lines = ["tests/test_a.py::test_x PASSED", "tests/test_a.py::test_graph_on_gpu[triton] PASSED [ 10%]",
+             "[gw1] [ 20%] FAILED tests/test_b.py::test_bf16_on_gpu", "[gw0] [ 30%] SKIPPED tests/test_a.py::test_y",
+             "FAILED tests/test_b.py::test_bf16_on_gpu - AssertionError: no",
+             "=== 1 failed, 2 passed, 1 skipped in 3.21s ==="]
+    got = campaign.parse_pytest(lines)
+    assert got["gpu_only_tests"] == {"tests/test_a.py::test_graph_on_gpu[triton]": "passed",
+                                     "tests/test_b.py::test_bf16_on_gpu": "failed"}
+
+
+def _skipped_without_cuda(decorator) -> bool:
+    """``@pytest.mark.skipif(not torch.cuda.is_available(), ...)``."""
+    import ast
+
+    return (isinstance(decorator, ast.Call) and ast.unparse(decorator.func) == "pytest.mark.skipif" and
+            bool(decorator.args) and ast.unparse(decorator.args[0]) == "not torch.cuda.is_available()")
+
+
+def test_every_gpu_only_test_is_named_on_gpu_and_run_by_the_campaign():
+    """A test that only a GPU runs (skipped without CUDA) is named ``*_on_gpu``, so that the
+    campaign's record names it with its outcome (``parse_pytest``), and is among the campaign's
+    pytest targets: on a CPU it cannot fail, so the GPU campaign is where it means something."""
+    import ast
+
+    gpu_only = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(map(_skipped_without_cuda, node.decorator_list)):
+                gpu_only.append((f"tests/{path.name}", node.name))
+    assert len(gpu_only) >= 3  # determinism, CUDA graphs, bf16 convergence
+    for file, name in gpu_only:
+        assert "_on_gpu" in name, f"{file}::{name} runs only on a GPU: name it *_on_gpu"
+        assert file in campaign.GPU_TESTS or f"{file}::{name}" in campaign.GPU_TESTS, \
+            f"{file}::{name} runs only on a GPU but the campaign does not run it (bench.campaign.GPU_TESTS)"
+
+
 class _Config:
     def __init__(self, bm, bn, w, s):
         self.kwargs, self.num_warps, self.num_stages = {"BLOCK_M": bm, "BLOCK_N": bn}, w, s
