@@ -246,8 +246,9 @@ def saved_by(fn):
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
 def test_the_op_keeps_o_of_l_for_backward(backend):
-    """The forward keeps its inputs, ``out`` and the row log-sum-exp, nothing of size M x K
-    (docs/DESIGN.md §4); a model's training forward keeps no tensor with two sequence-long dims."""
+    """The forward keeps its inputs, ``out`` and the row log-sum-exp (and the Triton backend its mask
+    tables, O(L)), nothing of size M x K (docs/DESIGN.md §4); a model's training forward keeps no
+    tensor with two sequence-long dims."""
     case = make_case(B=2, M=40, qlen=40, H=2, D=8, mlen=24, mask="rank", self_visible=False,
                      q_pos=torch.randint(-1, 40, (2, 40), generator=torch.Generator().manual_seed(0)),
                      dtype=torch.float32).to(device=DEVICE)
@@ -256,8 +257,14 @@ def test_the_op_keeps_o_of_l_for_backward(backend):
     B, M, H, D = out.shape
     inputs = {t.data_ptr() for t in leaves} | {t.data_ptr() for t in case.kwargs().values()
                                                 if isinstance(t, torch.Tensor)}
-    new = [tuple(t.shape) for t in saved if t.data_ptr() not in inputs]
-    assert sorted(new) == sorted([(B, M, H, D), (B, H, M)]), new  # out and lse
+    new = [t for t in saved if t.data_ptr() not in inputs]
+    floats = [tuple(t.shape) for t in new if t.is_floating_point()]
+    assert sorted(floats) == sorted([(B, M, H, D), (B, H, M)]), floats  # out and lse
+    # and, on the Triton backend, the masks' tables it built (ROWS, KEYS): int32, O(L) per batch row
+    K = case.k.shape[1]
+    tables = [t for t in new if not t.is_floating_point()]
+    assert all(t.dtype == torch.int32 and t.numel() <= B * 4 * max(M, 128 * -(-K // 128)) for t in tables), \
+        [(t.dtype, tuple(t.shape)) for t in tables]
     assert any(t.data_ptr() == out.data_ptr() for t in saved)
 
     eager, fused = pair(n_layer=1, d_model=32, d_inner=48)  # every width below L = 64
