@@ -1,7 +1,8 @@
 """What one attention call costs the host: µs, GPU launches and host syncs, with the GPU stubbed.
 
     python -m bench.host_cost [--B 8] [--H 12] [--qlen 512] [--mlen 384] [--targets 85] [--D 64]
-                              [--arch 90] [--device cpu|meta] [--repeats 200] [--out FILE | --record]
+                              [--arch 90] [--device cpu|meta] [--layers 12] [--repeats 50]
+                              [--out FILE | --record]
 
 The call a layer of the XLNet model makes in pretraining: both streams in one launch
 (``rel_attention_two_stream``), rank masks, segments, dropout, bf16, on the Triton backend, with the
@@ -10,7 +11,10 @@ masks as the model gives them (prepared once per forward for every layer: ``prep
 ``sm_<arch>`` (``bench.compiler.fake_gpu``: binding, specialisation, cache lookup, the autotuner, the
 launcher's bound launches; only the driver's C launcher is stubbed), so no kernel runs: the time is
 the host's share of a call. Per call, forward alone (no grad) and forward + backward: median µs over
-``--repeats`` calls; GPU launches (triton kernels, and the PyTorch ops that run a kernel on a GPU:
+``--repeats`` steps of ``--layers`` calls (a model's layers: their outputs go through one backward, as
+in a training step, whose engine's set-up a lone call would carry alone) of the calling thread's CPU
+time per call (``host_us``: what the host spends, whatever else the machine runs; the wall time
+beside it); GPU launches (triton kernels, and the PyTorch ops that run a kernel on a GPU:
 not views or allocations); tensor reads on the host (``item``, ``bool``, ``int``, ``float``,
 ``tolist``: each a sync on a GPU). Writes ``host_cost.json``.
 
@@ -114,8 +118,8 @@ def _triton_on(device: str):
 
 
 def layer_call(args, device: str):
-    """``(forward, forward_backward)`` closures of the call one model layer makes, as ``prepared``
-    and ``raw`` masks: {mode: (fwd, fwd_bwd)}."""
+    """``(forward, forward_backward)`` closures of the calls the model's layers make, each layer its
+    own inputs and the masks shared, as ``prepared`` and ``raw`` masks: {mode: (fwd, fwd_bwd)}."""
     import xlnet_fast
 
     B, H, L, M, P, D = args.B, args.H, args.qlen, args.mlen, args.targets, args.D
@@ -128,31 +132,33 @@ def layer_call(args, device: str):
     def index(high, *shape, dtype=torch.long):
         return torch.randint(0, high, shape, generator=g, dtype=dtype).to(device)
 
-    dense = [leaf(B, L, H, D), leaf(B, P, H, D), leaf(B, K, H, D), leaf(B, K, H, D), leaf(1, K + L, H, D),
-             leaf(H, D), leaf(H, D)]
-    weights = dict(r_s_bias=leaf(H, D), seg_embed=leaf(2, H, D))
+    layers = [dict(dense=[leaf(B, L, H, D), leaf(B, P, H, D), leaf(B, K, H, D), leaf(B, K, H, D),
+                          leaf(1, K + L, H, D), leaf(H, D), leaf(H, D)],
+                   weights=dict(r_s_bias=leaf(H, D), seg_embed=leaf(2, H, D))) for _ in range(args.layers)]
+    inputs = [t for layer in layers for t in layer["dense"] + list(layer["weights"].values())]
     raw = dict(target_pos=index(L, B, P), q_seg=index(2, B, L), k_seg=index(2, B, K),
                q_rank=index(L, B, L, dtype=torch.int32), k_rank=index(L, B, K, dtype=torch.int32))
     prepared = xlnet_fast.prepare_two_stream_masks(B, L, K, device=device, backend="triton", **raw)
     grads = [torch.empty(B, L, H, D, dtype=torch.bfloat16, device=device),
-             torch.empty(B, P, H, D, dtype=torch.bfloat16, device=device)]
-
-    inputs = dense + list(weights.values())
+             torch.empty(B, P, H, D, dtype=torch.bfloat16, device=device)] * args.layers
 
     def calls(masks: dict):
         def forward():
-            return xlnet_fast.rel_attention_two_stream(*dense, **weights, **masks, dropout_p=0.1, backend="triton")
+            return [xlnet_fast.rel_attention_two_stream(*layer["dense"], **layer["weights"], **masks, dropout_p=0.1,
+                                                        backend="triton") for layer in layers]
 
-        def forward_backward():  # the gradients of the call's inputs (not accumulated into .grad)
-            torch.autograd.grad(forward(), inputs, grads)
+        def forward_backward():  # one backward over the layers' calls, as a model's step makes it
+            outputs = forward()
+            torch.autograd.grad([t for pair in outputs for t in pair], inputs, grads)
 
         return forward, forward_backward
 
     return {"prepared": calls(dict(masks=prepared)), "raw": calls(raw)}
 
 
-def measure(fn, grad: bool, repeats: int, gpu) -> dict:
-    """One call counted (launches, PyTorch ops, host reads), then ``repeats`` calls timed."""
+def measure(fn, grad: bool, repeats: int, gpu, layers: int) -> dict:
+    """One step of ``layers`` calls counted (launches, PyTorch ops, host reads), then ``repeats``
+    steps timed; every figure per call."""
     with torch.set_grad_enabled(grad):
         for _ in range(3):  # compile, tune, bind
             fn()
@@ -160,14 +166,18 @@ def measure(fn, grad: bool, repeats: int, gpu) -> dict:
         with _host_reads() as reads, _CountOps() as counted:
             fn()
         triton_launches = [launch.kernel for launch in gpu.launches[start:]]
-        times = []
+        times, walls = [], []
         for _ in range(repeats):
-            begin = time.perf_counter()
+            begin, wall = time.thread_time_ns(), time.perf_counter_ns()
             fn()
-            times.append(time.perf_counter() - begin)
-    return {"host_us": round(statistics.median(times) * 1e6, 1), "host_us_p10": round(sorted(times)[len(times) // 10] * 1e6, 1),
-            "launches": len(triton_launches) + sum(counted.ops.values()), "triton_launches": triton_launches,
-            "torch_ops": counted.ops, "host_reads": reads}
+            times.append((time.thread_time_ns() - begin) / layers)
+            walls.append((time.perf_counter_ns() - wall) / layers)
+    return {"host_us": round(statistics.median(times) / 1e3, 1), "host_us_p10": round(sorted(times)[len(times) // 10] / 1e3, 1),
+            "wall_us": round(statistics.median(walls) / 1e3, 1),
+            "launches": (len(triton_launches) + sum(counted.ops.values())) / layers,
+            "triton_launches": triton_launches[:len(triton_launches) // layers],
+            "torch_ops": {name: n / layers for name, n in counted.ops.items()},
+            "host_reads": {name: n / layers for name, n in reads.items()}}
 
 
 def _heap_allocations() -> None:
@@ -204,7 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--D", type=int, default=64)
     p.add_argument("--arch", type=int, default=90, help="the fake GPU's arch (compiles for it)")
     p.add_argument("--device", choices=("cpu", "meta"), default="cpu")
-    p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--layers", type=int, default=12, help="calls per measured step (a model's layers): "
+                   "the figures are per call; one backward runs over all of them")
+    p.add_argument("--repeats", type=int, default=50)
     runner.add_output_args(p, RECORDS)
     return p
 
@@ -224,11 +236,12 @@ def main(argv=None) -> int:
     ensure_kernels_importable()
     _heap_allocations()
     records = []
-    with fake_gpu(args.arch) as gpu, _triton_on(args.device):
+    with fake_gpu(args.arch, keep_args=False) as gpu, _triton_on(args.device):
         for masks, (forward, forward_backward) in layer_call(args, args.device).items():
             for name, fn, grad in (("fwd", forward, False), ("fwd_bwd", forward_backward, True)):
-                result = measure(fn, grad, args.repeats, gpu)
-                records.append({"op": "host_cost", "masks": masks, "pass": name, "B": args.B, "H": args.H,
+                result = measure(fn, grad, args.repeats, gpu, args.layers)
+                records.append({"op": "host_cost", "masks": masks, "pass": name, "layers": args.layers, "B": args.B,
+                                "H": args.H,
                                 "qlen": args.qlen, "mlen": args.mlen, "targets": args.targets, "D": args.D,
                                 "arch": args.arch, "tensors": args.device, "dropout_p": 0.1, "segments": True,
                                 **result, **runner.environment(), "cpu": _cpu_name()})

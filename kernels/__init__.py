@@ -7,6 +7,7 @@ The backend interface used by ``xlnet_fast.attention``: ``available()``, ``check
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ INTERPRETED = interpreting()
 MAX_HEAD_DIM = 128
 
 
+@functools.cache
 def available() -> tuple[bool, str]:
     """(usable, reason) for the Triton backend."""
     if _IMPORT_ERROR is not None:
@@ -163,16 +165,35 @@ def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and INTERPRETED else dtype
 
 
-def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+def _rows_past_int32(geometry: tuple) -> bool:
     """The kernels address rows within a batch row with int32 offsets (the batch offset is int64):
-    a view whose row stride pushes them past 2**31 (e.g. a seq-first view of a huge batch) is made
-    contiguous first."""
-    if t.shape[1] * t.stride(1) + t.shape[2] * t.stride(2) < 2**31:
+    whether a (B, rows, H, D) view's (``_geometry``) row and head strides push them past 2**31 (e.g. a
+    seq-first view of a huge batch)."""
+    return geometry[1] * geometry[5] + geometry[2] * geometry[6] >= 2**31
+
+
+def _int32_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` contiguous where its offsets pass int32 (``_rows_past_int32``); an error where they
+    still do."""
+    if not _rows_past_int32(_geometry(t)):
         return t
     t = t.contiguous()
     if t.shape[1] * t.stride(1) >= 2**31:
         raise ValueError(f"{name} has {t.shape[1]} rows of {t.stride(1)} elements: more than 2**31 per batch row")
     return t
+
+
+def _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask, grads=None) -> tuple:
+    """``(k, v, k_r, shape, plan)`` of a call: its key (``_Shape``) and what follows from it
+    (``_static_args``); k, v, k_r made contiguous first where their offsets pass int32."""
+    shape = _shape(q, a.q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask)
+    if grads is not None:
+        shape = shape._replace(grads=grads)
+    plan = _static_args(shape)
+    if plan["rows_past_int32"]:  # rare: made contiguous, a call of another shape
+        k, v, k_r = _int32_rows(k, "k"), _int32_rows(v, "v"), _int32_rows(k_r, "k_r")
+        return _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask, grads)
+    return k, v, k_r, shape, plan
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,7 +250,7 @@ class _Shape(NamedTuple):
     masking: int
     banded_only: bool
     tf32: bool
-    aligned: tuple
+    aligned: bool | tuple
     tiles: tuple | None  # the interpreter's tile sizes (tests change them), which size the tables
     grads: tuple | None = None  # backward: dO's and dO_g's shapes and strides, alignment, deterministic
 
@@ -238,7 +259,15 @@ def _geometry(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (*t.shape, *t.stride())
 
 
-def _aligned(*tensors) -> tuple:
+def _aligned(*tensors) -> bool | tuple:
+    """True when every tensor given (None: absent) starts at a 16-byte boundary (the usual case, one
+    test), else which ones do."""
+    ptrs = [t.data_ptr() for t in tensors if t is not None]
+    combined = 0
+    for ptr in ptrs:
+        combined |= ptr
+    if not combined & 15:
+        return True
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
@@ -291,7 +320,8 @@ def _static_args(shape: _Shape) -> dict:
     dkr_elements = Br * R * H * D
     n_convert = triton.cdiv(dkr_elements, _operands.FINISH_BLOCK)
     static = dict(
-        sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles),
+        sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
+                   device=shape.device),
         qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
         fwd=dict(attn, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0], stride_om=out_strides[1],
                  stride_oh=out_strides[2]),
@@ -306,6 +336,9 @@ def _static_args(shape: _Shape) -> dict:
     )
     static["dkdv"]["FIX_UP"] = False
     static["fixup"] = dict(static["dkdv"], FIX_UP=True)
+    static["bound"] = {}  # (role, deterministic) -> the role's launch bound at this shape (launch.py)
+    static["tile_counts"] = {}  # (role, deterministic) -> the tiles its launch ran at, cover M or K in
+    static["rows_past_int32"] = any(_rows_past_int32(g) for g in (shape.k, shape.v, shape.k_r))
     if shape.grads is not None:
         dout, dout_g = shape.grads[0], shape.grads[1] or shape.grads[0]
         static["gops"] = dict(rows, keep_scale=_keep_scale(shape.dropout_p), n_clear=Br * dkr_rows * H * D,
@@ -330,18 +363,19 @@ _FIXED_CONFIGS: dict = {}
 _PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "finish": "_grad_finish_kernel"}
 
 
-def _run(role: str, grid, shape: _Shape, static: dict, tensors: dict, deterministic: bool, config=None) -> dict:
-    """Launch kernel ``role`` and return its tile sizes (BLOCK_M, BLOCK_N). Attention kernels run at
-    the interpreter's small tiles under TRITON_INTERPRET; in deterministic mode at the first of the
-    device's candidates that launches (timing could pick another config in another run, and with it
-    another order of float sums); at ``config`` when given (the FIX_UP launch takes its dK/dV
-    launch's); else at the autotuner's choice. Past its first launch at ``shape`` a kernel is
-    launched bound (``launch.py``): its tensors only."""
-    bound = None if INTERPRETED or _k.compile_target() is not None else launch.bound(role, shape, deterministic)
+def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config=None) -> dict:
+    """Launch kernel ``role`` with its arguments of the call's ``plan`` (``_static_args``) and
+    ``tensors``; return its tile sizes (BLOCK_M, BLOCK_N). Attention kernels run at the interpreter's
+    small tiles under TRITON_INTERPRET; in deterministic mode at the first of the device's
+    candidates that launches (timing could pick another config in another run, and with it another
+    order of float sums); at ``config`` when given (the FIX_UP launch takes its dK/dV launch's); else
+    at the autotuner's choice. Past its first launch at the call's shape a kernel is launched bound
+    (``launch.py``): its tensors only."""
+    bound = plan["bound"].get((role, deterministic))
     if bound is not None:
         bound(tensors)
         return bound.tiles
-    kwargs = {**static, **tensors}
+    kwargs = {**plan[role], **tensors}
     if role in _PLAIN:
         fn = getattr(_operands, _PLAIN[role])
         compiled, tiles = fn[grid](**kwargs), {}
@@ -357,7 +391,7 @@ def _run(role: str, grid, shape: _Shape, static: dict, tensors: dict, determinis
                 fn[grid](**kwargs, **candidate.all_kwargs())
             return {}
         if config is None and (deterministic or role not in _TUNED):
-            key = (role, shape.device) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
+            key = (role, plan["sizes"]["device"]) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
             if key not in _FIXED_CONFIGS:
                 _FIXED_CONFIGS[key] = _k.first_launchable(role, fn, kwargs)
             config = _FIXED_CONFIGS[key]
@@ -370,8 +404,16 @@ def _run(role: str, grid, shape: _Shape, static: dict, tensors: dict, determinis
             compiled = fn.warmup(**kwargs, **config.all_kwargs(), grid=grid)
         kwargs.update(config.all_kwargs())
         tiles = config
-    launch.bind(role, shape, deterministic, fn, compiled, grid, kwargs, tensors, tiles)
+    bound = launch.bind(fn, compiled, grid, kwargs, tensors, tiles)
+    if bound is not None:
+        plan["bound"][(role, deterministic)] = bound
     return tiles
+
+
+def clear_launches() -> None:
+    """Forget the call shapes' arguments and bound launches (the next launch of each goes through
+    triton's JIT again)."""
+    _STATIC.clear()
 
 
 _CONFIG_TILES: dict = {}
@@ -392,7 +434,7 @@ def _smallest_tile(name: str) -> int:
     return min(_tile_sizes(name))
 
 
-def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, shape, static) -> dict:
+def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, static) -> dict:
     """The query side every kernel reads, per row in the kernels' order (by position), computed
     once here rather than per tile (``operands._query_operands_kernel``, one pass over q and q_g):
     ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise with ``r_r_bias`` as (B, H, M, D)
@@ -404,7 +446,7 @@ def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, shape, static) -> dict:
     qr = torch.empty((B, H, M, D), dtype=qw.dtype, device=q.device)
     e = torch.empty((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
     segments = a.seg_embed is not None
-    _run("qops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), shape, static["qops"],
+    _run("qops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static,
          dict(Q=q, Q_G=q_g if q_g is not None else q, ROWS=rows, RW=r_w_bias, RR=r_r_bias,
               RS=a.r_s_bias if segments else r_w_bias, SEG=a.seg_embed if segments else r_w_bias, QW=qw, QR=qr, E=e),
          False)
@@ -429,18 +471,16 @@ def _attention_tensors(q_ops: dict, rows, keys, k, v, k_r, mask, a) -> dict:
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. ``q`` holds the caller's rows [0, L) and ``a.q_g`` (when given) the rest.
     Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
-    k, v, k_r = _int32_rows(k, "k"), _int32_rows(v, "v"), _int32_rows(k_r, "k_r")
     r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
     mask = _dense_mask(a)
-    shape = _shape(q, a.q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask)
-    static = _static_args(shape)
+    k, v, k_r, shape, static = _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask)
     sz = static["sizes"]
     B, M, H, D = sz["B"], sz["M"], sz["H"], sz["D"]
     rows, keys = _tables(a, B, M, sz["K"], q.device)
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, shape, static)
-    _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), shape, static["fwd"],
+    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
+    _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
          dict(_attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a), OUT=out, LSE=lse),
          torch.are_deterministic_algorithms_enabled())
     return out, lse
@@ -460,11 +500,16 @@ def _dkr_buffer(Br: int, R: int, qlen: int, K: int, H: int, D: int, device) -> t
     return torch.empty((Br, _dkr_rows(R, qlen, K), H, D), dtype=torch.float32, device=device)
 
 
-def _tile_count(total: int, tiles, name: str, default: int) -> int:
-    """How many tiles of ``tiles``' (a config or the interpreter's tile sizes) kind ``name`` cover
-    ``total``; ``default`` (the tables' room) when the launch picked no single config (compile report)."""
-    size = tiles.kwargs.get(name) if hasattr(tiles, "kwargs") else tiles.get(name)
-    return triton.cdiv(total, size) if size else default
+def _tile_count(plan: dict, role: str, deterministic: bool, tiles, name: str, total: int, default: int) -> int:
+    """How many tiles of kind ``name`` of ``tiles`` (the config ``role``'s launch ran at, or the
+    interpreter's tile sizes) cover ``total``, kept in the plan; ``default`` (the tables' room) when
+    the launch picked no single config (the compile report's launches)."""
+    counts = plan["tile_counts"]
+    key = (role, deterministic)
+    if key not in counts:
+        size = tiles.kwargs.get(name) if hasattr(tiles, "kwargs") else tiles.get(name)
+        counts[key] = triton.cdiv(total, size) if size else default
+    return counts[key]
 
 
 def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, deterministic: bool | None = None):
@@ -477,17 +522,15 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    k, v, k_r = _int32_rows(k, "k"), _int32_rows(v, "v"), _int32_rows(k_r, "k_r")
     r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
     mask = _dense_mask(a)
-    shape = _shape(q, a.q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask)._replace(
-        grads=(_geometry(dout), _geometry(dout_g), _aligned(dout, dout_g, out), deterministic))
-    static = _static_args(shape)
+    k, v, k_r, shape, static = _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask,
+                                     grads=(_geometry(dout), _geometry(dout_g), _aligned(dout, dout_g, out), deterministic))
     sz = static["sizes"]
     B, L, M, H, D, K, Br, R = (sz[n] for n in ("B", "L", "M", "H", "D", "K", "Br", "R"))
     segments = a.seg_embed is not None
     rows, keys = _tables(a, B, M, K, q.device)
-    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, shape, static)
+    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
     device = q.device
     # the backward's row operands (and seg_embed[1] - seg_embed[0] for the dQ kernel)
     grad_io = dict(DO=torch.empty((B, H, M, D), dtype=q_ops["QW"].dtype, device=device),
@@ -495,7 +538,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                    DELTA=torch.empty((B, H, M), dtype=torch.float32, device=device))
     seg_delta = torch.empty((H, D), dtype=torch.float32, device=device) if segments else grad_io["DELTA"]
     dkr_sums = _dkr_buffer(Br, R, a.qlen, K, H, D, device)
-    _run("gops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), shape, static["gops"],
+    _run("gops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static,
          dict(DOUT=dout, DOUT_G=dout_g if dout_g is not None else dout, OUT=out, LSE=lse, ROWS=rows, E=q_ops["E"],
               SEG=a.seg_embed if segments else r_w_bias, SEGD=seg_delta, DKR_SUMS=dkr_sums, **grad_io), False)
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=device)
@@ -510,22 +553,22 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     attn = _attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a)
     kv_tensors = dict(attn, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k)
     kv_grid = lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)  # noqa: E731
-    kv_tiles = _run("dkdv", kv_grid, shape, static["dkdv"], kv_tensors, deterministic)
-    n_kv_tiles = _tile_count(K, kv_tiles, "BLOCK_N", sz["n_n_tiles"])
+    kv_tiles = _run("dkdv", kv_grid, static, kv_tensors, deterministic)
+    n_kv_tiles = _tile_count(static, "dkdv", deterministic, kv_tiles, "BLOCK_N", K, sz["n_n_tiles"])
     if segments:
         # rows of segment codes the dK/dV kernel's one-hot has no column for (a batch row with more
         # than SEG_CODES segment ids): nearly every program returns at once; at the dK/dV launch's
         # config, so that both fill the same tiles of GP
-        _run("fixup", kv_grid, shape, static["fixup"], kv_tensors, deterministic,
+        _run("fixup", kv_grid, static, kv_tensors, deterministic,
              config=kv_tiles if hasattr(kv_tiles, "kwargs") else None)
     # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment (the dQ
     # kernel sums GP's n_kv_tiles per-tile sums)
     g_diff = torch.empty((B, H, M), dtype=torch.float32, device=device) if segments else g_parts
-    q_tiles = _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), shape, static["dq"],
+    q_tiles = _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
                    dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
                         n_gp=n_kv_tiles), deterministic)
     if deterministic:
-        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), shape, static["dkr"],
+        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), static,
              dict(attn, **grad_io, DKR=dkr_sums), deterministic)
     # the gradients of k_r, the biases and seg_embed, each in its parameter's dtype
     grads = dict(DKR=torch.empty((Br, R, H, D), dtype=k_r.dtype, device=device),
@@ -534,10 +577,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                  DRS=torch.empty((H, D), dtype=(a.r_s_bias if segments else r_w_bias).dtype, device=device),
                  DSEG=torch.empty((2, H, D), dtype=(a.seg_embed if segments else r_w_bias).dtype, device=device))
     finish = static["finish"]
-    _run("finish", (finish["n_convert"] + H,), shape, finish,
+    _run("finish", (finish["n_convert"] + H,), static,
          dict(grads, DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
               Q_G=a.q_g if a.q_g is not None else q, RS=a.r_s_bias if segments else r_w_bias, SEGD=seg_delta,
-              n_m_used=_tile_count(M, q_tiles, "BLOCK_M", sz["n_m_tiles"]), n_n_used=n_kv_tiles), False)
+              n_m_used=_tile_count(static, "dq", deterministic, q_tiles, "BLOCK_M", M, sz["n_m_tiles"]),
+              n_n_used=n_kv_tiles), False)
     return dq, dk, dv, grads["DKR"], grads["DRW"], grads["DRR"], grads["DRS"], grads["DSEG"]
 
 

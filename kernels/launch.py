@@ -8,18 +8,15 @@ Here that work happens at the first launch of a kernel for each call shape; late
 same shape hand their tensors straight to the compiled kernel (``CompiledKernel[grid]``, triton's
 own launcher of a compiled kernel), with the other arguments as the first launch bound them.
 
-The caller's ``shape`` key must determine every non-tensor argument of the launch and the dtype and
-16-byte alignment of every tensor argument: what triton specialises a binary on
-(``tests/test_launch_cache.py`` checks the bound launches against triton's JIT on a fake GPU).
+The caller keeps a kernel's bound launch per call shape (``kernels/__init__.py``: in the shape's plan)
+and its shape key must determine every non-tensor argument of the launch and the dtype and 16-byte
+alignment of every tensor argument: what triton specialises a binary on (``tests/test_launch_cache.py``
+checks the bound launches against triton's JIT on a fake GPU).
 """
 
 from __future__ import annotations
 
 from typing import Callable
-
-# (role, shape, deterministic) -> _Bound
-_BOUND: dict = {}
-
 
 class _Bound:
     """One kernel's launch at one call shape: the compiled kernel's runner for its grid, its
@@ -45,23 +42,13 @@ class _Bound:
         self.runner(*args)
 
 
-def bound(role: str, shape, deterministic: bool):
-    """The bound launch of ``role`` at ``shape``, or None before its first launch."""
-    return _BOUND.get((role, shape, deterministic))
-
-
-def bind(role: str, shape, deterministic: bool, fn, compiled, grid: Callable | tuple, kwargs: dict,
-         tensors: dict, tiles) -> None:
-    """Keep ``compiled`` (what the JIT launched for ``kwargs``, a config's values included) for the
-    later launches of ``role`` at ``shape``: only the values named in ``tensors`` change between them.
-    ``tiles``: the config the launch ran at, handed back by later launches."""
+def bind(fn, compiled, grid: Callable | tuple, kwargs: dict, tensors: dict, tiles) -> _Bound | None:
+    """``compiled`` (what the JIT launched for ``kwargs``, a config's values included) bound for the
+    later launches of the same call shape, where only the values named in ``tensors`` change;
+    ``tiles``: the config the launch ran at, handed back by later launches. None where ``compiled``
+    is not a compiled kernel (an older triton): every launch then goes through the JIT."""
     if compiled is None or not hasattr(compiled, "__getitem__"):
-        return  # not a compiled kernel (an older triton): every launch goes through the JIT
+        return None
     grid = grid(kwargs) if callable(grid) else grid
     grid = tuple(grid) + (1,) * (3 - len(grid))
-    _BOUND[(role, shape, deterministic)] = _Bound(fn, compiled, grid, kwargs, tuple(tensors), tiles)
-
-
-def clear() -> None:
-    """Forget every bound launch (the next launch of each shape goes through the JIT again)."""
-    _BOUND.clear()
+    return _Bound(fn, compiled, grid, kwargs, tuple(tensors), tiles)

@@ -29,7 +29,7 @@ def gpu_like(monkeypatch):
 
     launched = []
 
-    def run(role, grid, shape, static, tensors, deterministic, config=None):
+    def run(role, grid, plan, tensors, deterministic, config=None):
         launched.append(role)
         return kernels._k.INTERPRETER_TILES
 

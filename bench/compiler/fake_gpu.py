@@ -40,9 +40,11 @@ class Launch:
 
 @dataclass
 class FakeGpu:
-    """The fake device's record: every launch that reached the driver, in order."""
+    """The fake device's record: every launch that reached the driver, in order (with its arguments
+    when ``keep_args``; a benchmark keeps none: they would keep every call's tensors alive)."""
 
     arch: int
+    keep_args: bool = True
     launches: list = field(default_factory=list)
 
     def count(self) -> int:
@@ -57,7 +59,8 @@ class _Launcher:
 
     def __call__(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
                  exit_hook, *args):
-        self.gpu.launches.append(Launch(self.name, self.binary, (grid_x, grid_y, grid_z), args))
+        self.gpu.launches.append(Launch(self.name, self.binary, (grid_x, grid_y, grid_z),
+                                        args if self.gpu.keep_args else ()))
 
 
 class _Driver:
@@ -101,9 +104,9 @@ class _Driver:
 
 
 @contextlib.contextmanager
-def fake_gpu(arch: int = 90):
+def fake_gpu(arch: int = 90, keep_args: bool = True):
     """Within the block triton compiles for and "launches" on a fake ``sm_<arch>`` (see module doc)."""
-    gpu = FakeGpu(arch)
+    gpu = FakeGpu(arch, keep_args)
     saved = driver._active
     driver.set_active(_Driver(gpu))
     try:

@@ -103,10 +103,10 @@ def main(arch: int) -> int:
         call_bound = launch._Bound.__call__
         launch._Bound.__call__ = lambda self, tensors: (bound_calls.append(1), call_bound(self, tensors))[1]
         for mode in ("jit", "bound"):
-            launch.clear()
-            bound = launch.bound
+            kernels.clear_launches()
+            bind = launch.bind
             if mode == "jit":
-                launch.bound = lambda *args: None
+                launch.bind = lambda *args: None
             try:
                 records = []
                 for name, (inputs, dout, dout_g) in scenarios:
@@ -121,7 +121,7 @@ def main(arch: int) -> int:
                                 unbound.append(f"{name} (deterministic={deterministic}): "
                                                f"{len(bound_calls) - bound_before} of {len(made)} launches bound")
             finally:
-                launch.bound = bound
+                launch.bind = bind
             runs[mode] = records
         launch._Bound.__call__ = call_bound
     mismatches = [f"{name} (deterministic={det}), launch {i}: {a} != {b}"

@@ -281,6 +281,9 @@ def rel_attention(
     return _call((q, k, v, k_r, r_w_bias, r_r_bias), a, backend)
 
 
+_TWO_STREAM_MASKS = ("target_pos", "q_seg", "k_seg", "attn_mask", "attn_mask_g", "q_rank", "k_rank")
+
+
 def rel_attention_two_stream(
     q_h: Tensor,
     q_g: Tensor,
@@ -317,19 +320,18 @@ def rel_attention_two_stream(
     The other arguments as in ``rel_attention``. Returns ``(out_h (B, L, H, D), out_g (B, P, H, D))``.
     """
     (q_h, q_g, k, v, k_r), autocast = _autocast(q_h, q_g, k, v, k_r)
-    check_tensor("q_h", q_h, 4)
+    check_tensor("q_h", q_h, 4)  # (q_g: validate checks it against q_h)
     B, L = q_h.shape[:2]
-    check_tensor("q_g", q_g, 4, (B, None) + tuple(q_h.shape[2:]), (q_h.dtype,), q_h.device)
-    raw = dict(target_pos=target_pos, q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask, attn_mask_g=attn_mask_g,
-               q_rank=q_rank, k_rank=k_rank)
+    raw = (target_pos, q_seg, k_seg, attn_mask, attn_mask_g, q_rank, k_rank)
     if masks is None:
         if target_pos is None:
             raise ValueError("rel_attention_two_stream needs target_pos (or masks= prepared with it)")
         check_tensor("k", k, 4)
-        masks = prepare_two_stream_masks(B, L, k.shape[1], device=q_h.device, backend="eager", **raw)
-    elif any(t is not None for t in raw.values()):
+        masks = prepare_two_stream_masks(B, L, k.shape[1], device=q_h.device, backend="eager",
+                                         **dict(zip(_TWO_STREAM_MASKS, raw)))
+    elif any(t is not None for t in raw):
         raise ValueError("pass the masks prepared (masks=) or as keywords, not both: got masks and "
-                         f"{[name for name, t in raw.items() if t is not None]}")
+                         f"{[name for name, t in zip(_TWO_STREAM_MASKS, raw) if t is not None]}")
     if not masks.rows_cover_qlen or masks.self_rows != L:
         raise ValueError("rel_attention_two_stream's masks= must come from prepare_two_stream_masks with qlen = "
                          f"{L} (q_h's rows)")
