@@ -10,6 +10,8 @@ prepared once for many calls (``masks=``, ``prepared.py``) or raw, prepared by t
 from __future__ import annotations
 
 
+import dataclasses
+
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -22,7 +24,6 @@ from .prepared import prepare_two_stream_masks
 _FIELDS = schema_fields()
 _FIELD_NAMES = tuple(name for name, _ in _FIELDS)
 _TENSOR_FIELDS = tuple(name for name, kind in _FIELDS if kind.startswith("Tensor"))
-_SCALAR_FIELDS = tuple(name for name in _FIELD_NAMES if name not in _TENSOR_FIELDS)
 _GRADS = ("dq", "dk", "dv", "dk_r", "dr_w_bias", "dr_r_bias", "dr_s_bias", "dseg_embed")
 
 
@@ -93,21 +94,34 @@ _backward_op.register_fake(_backward_fake)
 REAL_IMPLEMENTATIONS = {"rel_attention": _forward_impl, "rel_attention_backward": _backward_impl}
 
 
-# A call's fields travel through autograd as two tuples: the scalars (_SCALAR_FIELDS order) and the
-# tensors (_TENSOR_FIELDS order, saved for the backward); _fields puts them back in schema order.
-_FIELD_SLOTS = tuple((True, _TENSOR_FIELDS.index(n)) if n in _TENSOR_FIELDS else (False, _SCALAR_FIELDS.index(n))
-                     for n in _FIELD_NAMES)
-_SEG_EMBED, _Q_G = _TENSOR_FIELDS.index("seg_embed"), _TENSOR_FIELDS.index("q_g")
+def _setup_context(ctx, inputs, output) -> None:
+    dense, a, backend, _ = _unpack(inputs, len(DENSE_ARGS))
+    ctx.backend, ctx.q_rows = backend, dense[0].shape[1]
+    ctx.record = dataclasses.replace(a, **dict.fromkeys(_TENSOR_FIELDS))  # tensors go to saved_tensors
+    ctx.save_for_backward(*dense, *(getattr(a, n) for n in _TENSOR_FIELDS), *output)
 
 
-def _fields(scalars: tuple, tensors) -> list:
-    """The op's field arguments in schema order."""
-    return [tensors[i] if is_tensor else scalars[i] for is_tensor, i in _FIELD_SLOTS]
+def _backward(ctx, dout, _dlse):
+    saved = ctx.saved_tensors
+    n = len(DENSE_ARGS)
+    dense, field_tensors, (out, lse) = saved[:n], saved[n:-2], saved[-2:]
+    a = dataclasses.replace(ctx.record, **dict(zip(_TENSOR_FIELDS, field_tensors)))
+    dout_g = None
+    if a.q_g is not None:  # out's rows past q's are q_g's
+        dout, dout_g = dout[:, :ctx.q_rows], dout[:, ctx.q_rows:]
+    grads = dict(zip(_GRADS, torch.ops.xlnet_fast.rel_attention_backward(
+        dout, *dense, *_flatten(a), ctx.backend, out, lse, dout_g)))
+    fields = dict.fromkeys(_FIELD_NAMES)
+    if a.has_segments:
+        fields.update(r_s_bias=grads["dr_s_bias"], seg_embed=grads["dseg_embed"])
+    if a.q_g is not None:
+        grads["dq"], fields["q_g"] = grads["dq"][:, :ctx.q_rows], grads["dq"][:, ctx.q_rows:]
+    return (*(grads[g] for g in _GRADS[:n]), *fields.values(), None)  # None: backend
 
 
-def _save(ctx, backend: str, scalars: tuple, dense, field_tensors, out, lse) -> None:
-    ctx.backend, ctx.scalars, ctx.q_rows = backend, scalars, dense[0].shape[1]
-    ctx.save_for_backward(*dense, *field_tensors, out, lse)
+# The op called directly (torch.ops.xlnet_fast.rel_attention) differentiates through this formula;
+# the entry points below take the same ops through _RelAttention.
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
@@ -122,66 +136,47 @@ def _through_dispatcher(tensors) -> bool:
             or any(type(t) not in _PLAIN_TENSORS for t in tensors if t is not None))
 
 
-def _gradients(ctx, dout: Tensor, dout_g: Tensor | None) -> tuple[tuple, list]:
-    """Run the backward op for the saved call: (the dense tensors' gradients, the tensor fields'
-    gradients in _TENSOR_FIELDS order). With ``q_g``, dq's rows [0, L) are q's gradient, the rest q_g's."""
-    saved = ctx.saved_tensors
-    n = len(DENSE_ARGS)
-    dense, field_tensors, (out, lse) = saved[:n], saved[n:-2], saved[-2:]
-    args = (dout, *dense, *_fields(ctx.scalars, field_tensors), ctx.backend, out, lse, dout_g)
-    backward = torch.ops.xlnet_fast.rel_attention_backward if _through_dispatcher(saved) else _backward_impl
-    grads = list(backward(*args))
-    fields = [None] * len(_TENSOR_FIELDS)
-    if field_tensors[_SEG_EMBED] is not None:
-        fields[_TENSOR_FIELDS.index("r_s_bias")], fields[_SEG_EMBED] = grads[6], grads[7]
-    if field_tensors[_Q_G] is not None:
-        grads[0], fields[_Q_G] = grads[0][:, :ctx.q_rows], grads[0][:, ctx.q_rows:]
-    return tuple(grads[:n]), fields
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    n, fields = len(DENSE_ARGS), inputs[len(DENSE_ARGS):len(DENSE_ARGS) + len(_FIELD_NAMES)]
-    scalars = tuple(f for f, name in zip(fields, _FIELD_NAMES) if name in _SCALAR_FIELDS)
-    tensors = tuple(f for f, name in zip(fields, _FIELD_NAMES) if name in _TENSOR_FIELDS)
-    _save(ctx, inputs[n + len(_FIELD_NAMES)], scalars, inputs[:n], tensors, *output)
-
-
-def _backward(ctx, dout, _dlse):
-    dout_g = None
-    if ctx.q_rows < dout.shape[1]:  # the call had q_g: out's rows past q's are its
-        dout, dout_g = dout[:, :ctx.q_rows], dout[:, ctx.q_rows:]
-    dense_grads, fields = _gradients(ctx, dout, dout_g)
-    return (*dense_grads, *_fields((None,) * len(_SCALAR_FIELDS), fields), None)  # None: backend
-
-
-# The op called directly (torch.ops.xlnet_fast.rel_attention) differentiates through this formula;
-# the entry points below take the same formula through _RelAttention.
-_forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
 class _RelAttention(torch.autograd.Function):
-    """The entry points' autograd boundary: the forward op, its saved tensors and the backward op as
-    ``register_autograd`` sets them up, without torch's generic wrapper around them (~220 µs per call
-    in grad mode against ~45 here: bench/NOTES.md), and in eager mode without the dispatcher
-    (``_through_dispatcher``). Returns ``out``, or with ``q_g`` its rows [0, L) and [L, M) apart
-    (views), whose gradients reach the backward op apart, never concatenated."""
+    """The entry points' autograd boundary: the two ops, their saved tensors and the formula of
+    ``register_autograd`` without torch's generic wrapper around them (~220 µs per call in grad mode
+    against ~45 here: bench/NOTES.md), and in eager mode without the dispatcher
+    (``_through_dispatcher``). Its tensor arguments are the differentiable ones; the record ``a``
+    (validated: masks, their tables, the seed, the scalars) rides along. Returns ``out``, or with
+    ``q_g`` its rows [0, L) and [L, M) apart (views), whose gradients reach the backward op apart,
+    never concatenated."""
 
     @staticmethod
-    def forward(ctx, backend: str, scalars: tuple, *tensors):
-        n = len(DENSE_ARGS)
-        dense, field_tensors = tensors[:n], tensors[n:]
-        forward = torch.ops.xlnet_fast.rel_attention if _through_dispatcher(tensors) else _forward_impl
-        out, lse = forward(*dense, *_fields(scalars, field_tensors), backend)
-        _save(ctx, backend, scalars, dense, field_tensors, out, lse)
-        q_g = field_tensors[_Q_G]
+    def forward(ctx, backend: str, a: AttnArgs, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_g):
+        dense = (q, k, v, k_r, r_w_bias, r_r_bias)
+        if _through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
+            out, lse = torch.ops.xlnet_fast.rel_attention(*dense, *_flatten(a), backend)
+        else:
+            out, lse = run_backend(backend, "forward", *dense, a)
+        # the record keeps the masks (O(L), prepared once for a forward's layers) and the scalars; the
+        # differentiable tensors are saved (its references to them keep nothing else alive)
+        ctx.backend, ctx.record = backend, a
+        ctx.save_for_backward(*dense, r_s_bias, seg_embed, q_g, out, lse)
         if q_g is None:
             return out
-        return tuple(out.split([ctx.q_rows, q_g.shape[1]], dim=1))
+        return tuple(out.split([q.shape[1], q_g.shape[1]], dim=1))
 
     @staticmethod
     def backward(ctx, dout, dout_g=None):
-        dense_grads, fields = _gradients(ctx, dout, dout_g)
-        return None, None, *dense_grads, *fields
+        q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_g, out, lse = ctx.saved_tensors
+        dense = (q, k, v, k_r, r_w_bias, r_r_bias)
+        a = ctx.record
+        if _through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
+            grads = torch.ops.xlnet_fast.rel_attention_backward(dout, *dense, *_flatten(a), ctx.backend, out, lse,
+                                                                dout_g)
+        else:
+            grads = _backward_impl(dout, *dense, *_flatten(a), ctx.backend, out, lse, dout_g)
+        dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg = grads
+        dq_g = None
+        if q_g is not None:
+            dq, dq_g = dq[:, :q.shape[1]], dq[:, q.shape[1]:]
+        if seg_embed is None:
+            dr_s = dseg = None
+        return None, None, dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg, dq_g
 
 
 # --------------------------------------------------------------------------------------------------
@@ -227,8 +222,7 @@ def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str):
 
         a.rows_table, a.keys_table = kernels.mask_tables(a, dense[0].shape[0], _rows(dense[0], a), dense[1].shape[1],
                                                          dense[0].device)
-    return _RelAttention.apply(resolved, tuple(getattr(a, n) for n in _SCALAR_FIELDS), *dense,
-                               *(getattr(a, n) for n in _TENSOR_FIELDS))
+    return _RelAttention.apply(resolved, a, *dense, a.r_s_bias, a.seg_embed, a.q_g)
 
 
 def rel_attention(
