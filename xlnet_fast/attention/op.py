@@ -70,6 +70,10 @@ def _forward_fake(*args) -> tuple[Tensor, Tensor]:
 
 def _backward_impl(*args) -> tuple[Tensor, ...]:
     (dout, *dense), a, backend, (out, lse, dout_g) = _unpack(args, 1 + len(DENSE_ARGS))
+    return _backward_record(dout, dense, a, backend, out, lse, dout_g)
+
+
+def _backward_record(dout, dense, a: AttnArgs, backend: str, out, lse, dout_g) -> tuple[Tensor, ...]:
     grads = run_backend(backend, "backward", dout, *dense, a, out, lse, dout_g)
     return tuple(g.contiguous() for g in grads)
 
@@ -169,7 +173,7 @@ class _RelAttention(torch.autograd.Function):
             grads = torch.ops.xlnet_fast.rel_attention_backward(dout, *dense, *_flatten(a), ctx.backend, out, lse,
                                                                 dout_g)
         else:
-            grads = _backward_impl(dout, *dense, *_flatten(a), ctx.backend, out, lse, dout_g)
+            grads = _backward_record(dout, dense, a, ctx.backend, out, lse, dout_g)
         dq, dk, dv, dk_r, dr_w, dr_r, dr_s, dseg = grads
         dq_g = None
         if q_g is not None:
