@@ -1,8 +1,8 @@
 """The GPU campaign in one command, time-boxed: environment and ceilings, correctness of the compiled
-kernels, the attention sweep, the pretraining step, memory reuse and generation, the autotuner's
+kernels, the attention sweep, the model's training step and inference forward, memory reuse and generation, the autotuner's
 choices, plots and a summary table last, every failure recorded.
 
-    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep pretrain memory plots]
+    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep model_step memory plots]
                              [--sweep-D 64 128]
     python -m bench.campaign --out DIR --cpu-dry-run [--budget-min 3]   # the orchestration on CPU, tiny shapes
     python -m bench.campaign --report RECORDS.jsonl [MORE.jsonl ...] [--out DIR]
@@ -18,11 +18,12 @@ Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``)
 - ``sweep``: the providers of ``bench.attention`` on the same tensors per shape, forward and
   forward+backward, D=64 first; the providers' forward outputs compared once per D, and the first
   xlnet_fast forward+backward timed twice (the spread);
-- ``pretrain``: ``bench.pretrain_step``, xlnet_fast against transformers, base then large;
+- ``model_step``: ``bench.model_step``, XLNet's training step and inference forward, transformers against
+  the patched model and the native one (eager and compiled), base then large;
 - ``memory``: ``bench.memory_reuse`` (Transformer-XL evaluation with memory against a recomputed
   sliding context, 128…3,800) and ``bench.generation`` (Transformer-XL and XLNet, with memory
   against recomputing the context);
-- ``plots``: ``attention.png`` and ``pretrain.png`` (``bench.plot``).
+- ``plots``: ``attention.png`` and ``model_step.png`` (``bench.plot``).
 
 Every step but ``plots`` records the autotuner's winning config (and every config's time) for each
 shape it tuned. Each step runs in its own process, gets a share of ``--budget-min`` (what an earlier
@@ -60,18 +61,18 @@ from pathlib import Path
 
 import torch
 
-from bench import (attention, campaign_report, cases, generation, gpu_check, memory_reuse, plot, pretrain_step,
+from bench import (attention, campaign_report, cases, generation, gpu_check, memory_reuse, model_step, plot,
                    runner, source_tree)
 from bench.compiler import pinned_configs
 from xlnet_fast.kernel_contract import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS_FILE, LOG_FILE, SUMMARY_FILE = "campaign.jsonl", "campaign.log", "summary.md"
-ATTENTION_PLOT, PRETRAIN_PLOT = "attention.png", "pretrain.png"
-OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, PRETRAIN_PLOT)
-STEPS = ("env", "correctness", "sweep", "pretrain", "memory", "plots")
+ATTENTION_PLOT, MODEL_PLOT = "attention.png", "model_step.png"
+OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, MODEL_PLOT)
+STEPS = ("env", "correctness", "sweep", "model_step", "memory", "plots")
 # Shares of the budget; "plots" runs at the end in the time kept back (RESERVE_*).
-WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "pretrain": 0.18, "memory": 0.12}
+WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "model_step": 0.18, "memory": 0.12}
 RESERVE_FRACTION, RESERVE_MAX_S = 0.04, 20.0
 MIN_STEP_S = 2.0  # a step whose share is below this is not started (a cut record says so)
 # A step still running this long after its share is killed: max(GRACE_MIN_S, GRACE_FRACTION x share).
@@ -134,6 +135,8 @@ class Plan:
     models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),
                      ("large", cases.ModelCase("large", B=8, seq=512, mlen=384, predict=85)))
     model_repeats: int = 10
+    model_providers: tuple = model_step.DEFAULT_PROVIDERS
+    infer_B: int = 32  # the inference forward's rows
     cpu_repeats: int = 1
     # memory: Transformer-XL evaluation with memory at these attention lengths, generation at these
     # total lengths; the size is a TRANSFO_XL_SIZES name (and the XLNet of that width)
@@ -163,7 +166,7 @@ PLANS = {
         checks=((*_QUICK_CHECK, gpu_check.CHECKED_DTYPES, False),), config_check=_QUICK_CHECK,
         sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096,
         models=(("base_2_layers", cases.ModelCase("base", B=2, seq=512, mlen=384, predict=85, n_layer=2)),),
-        model_repeats=3, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
+        model_repeats=3, infer_B=4, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
     "dry": Plan(
         "dry", matmul_n=0, copy_mib=0, pytest_targets=("tests/test_triton_kernels.py",),
         pytest_k="head_dims_past_the_kernels_limit", pytest_workers=1,  # one fast test
@@ -171,7 +174,7 @@ PLANS = {
         sweep_D=(16,), sweep_points=((16, 8),), sweep_H=2, sweep_tokens=16, sweep_dtype="fp32",
         providers=("xlnet_fast", "sdpa_flash", "hf", "eager", "xlnet_fast_det", "fa2_ref", "flex"),
         models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
-        model_repeats=1, memory_size="tiny", memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8,
+        model_repeats=1, infer_B=1, model_providers=("hf", "patched", "native"), memory_size="tiny", memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8,
         generation_lengths=(24,), generation_new_tokens=4),
 }
 
@@ -496,30 +499,34 @@ def step_sweep(r: Reporter, plan: Plan) -> None:
     tuning.flush("sweep")
 
 
-def step_pretrain(r: Reporter, plan: Plan) -> None:
-    """``bench.pretrain_step`` (forward, backward, AdamW; bf16 autocast on CUDA), xlnet_fast against
-    transformers on the same weights and batch, per model size."""
+def step_model_step(r: Reporter, plan: Plan) -> None:
+    """``bench.model_step``: XLNet's training step (forward, backward, AdamW; bf16 autocast on CUDA)
+    and inference forward, transformers against the patched and the native model (eager and
+    compiled), on the same weights and batches, per model size."""
     tuning, built = _Tuning(r), {}
-    items = [(label, model, prov) for label, model in plan.models for prov in ("xlnet_fast", "hf")]
-    for label, model, prov in r.each(items, lambda x: f"{x[0]} {x[2]}", "pretrain_step"):
-        fields = {"case": label, "provider": prov}
+    items = [(label, case, prov) for label, case in plan.models for prov in plan.model_providers]
+    for label, case, prov in r.each(items, lambda x: f"{x[0]} {x[2]}", "model_step"):
         if built.get("label") != label:
             built.clear()
             _free(r.device)
 
             def build():
-                built["hf"], built["batch"] = pretrain_step.hf_model_and_batch(model, r.device)
-                return {"parameters": sum(p.numel() for p in built["hf"].parameters())}
+                built["source"] = model_step.source_model(case)
+                built["batches"] = {"train": cases.pretraining_batch(case, r.device),
+                                    "infer": model_step.infer_batch(case, plan.infer_B, r.device)}
+                return {"parameters": sum(p.numel() for p in built["source"].parameters())}
 
-            [rec] = r.attempt("pretrain_model", build, **fields)
+            [rec] = r.attempt("model_source", build, case=label)
             built.update(label=label, failed=None if rec["status"] == "ok" else rec["status"])
         if built["failed"]:
-            r.skipped("pretrain_step", f"the model and batch could not be built ({built['failed']})", **fields)
+            r.skipped("model_step", f"the model and batches could not be built ({built['failed']})", case=label,
+                      provider=prov)
             continue
-        r.attempt("pretrain_step", lambda: pretrain_step.measure_provider(prov, model, built["hf"], built["batch"],
-                                                                          r.device, plan.model_repeats), **fields)
-        tuning.look(f"pretrain {label} {prov}")
-    tuning.flush("pretrain")
+        r.attempt("model_step", lambda: model_step.measure_provider(prov, case, built["source"], built["batches"],
+                                                                    r.device, plan.model_repeats, plan.infer_B),
+                  case=label, provider=prov)
+        tuning.look(f"model_step {label} {prov}")
+    tuning.flush("model_step")
 
 
 def step_memory(r: Reporter, plan: Plan) -> None:
@@ -550,8 +557,8 @@ def step_memory(r: Reporter, plan: Plan) -> None:
     _free(r.device)
 
 
-STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep, "pretrain": step_pretrain,
-                  "memory": step_memory}
+STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep,
+                  "model_step": step_model_step, "memory": step_memory}
 
 
 def child_main(args) -> int:
@@ -739,7 +746,7 @@ class Campaign:
 def _plots(records: list, out: Path, log=None) -> list:
     """``(file, status fields)`` of the campaign's two plots written under ``out``."""
     done = []
-    for name, fn in ((ATTENTION_PLOT, plot.attention_panels), (PRETRAIN_PLOT, plot.pretrain_bars)):
+    for name, fn in ((ATTENTION_PLOT, plot.attention_panels), (MODEL_PLOT, plot.model_bars)):
         try:
             written = fn(records, out / name)
             done.append((name, {"status": "ok"} if written else {"status": "skipped", "reason": "no records to plot"}))

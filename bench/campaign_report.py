@@ -183,24 +183,39 @@ def correctness_section(records) -> list:
     return lines or ["No correctness record."]
 
 
-def pretrain_section(records) -> list:
-    rows, by_case = [], defaultdict(dict)
+def model_records(records) -> list:
+    """The model-level measurements, ``bench.model_step``'s (``mode`` train or infer) and the older
+    ``bench.pretrain_step``'s (a training step; ``xlnet_fast`` is today's ``native``), ok or OOM."""
+    out = []
     for r in records:
-        if r.get("op") == "pretrain_step" and r.get("status") in ("ok", "oom"):
-            by_case[r.get("case", r.get("config"))][r["provider"]] = r
-    for case, provs in by_case.items():
-        fast, hf = (provs.get(p) or {} for p in ("xlnet_fast", "hf"))
-        speedup = _ratio(fast.get("tokens_per_s"), hf.get("tokens_per_s"))
+        if r.get("status") not in ("ok", "oom"):
+            continue
+        if r.get("op") == "model_step":
+            out.append(r)
+        elif r.get("op") == "pretrain_step":
+            out.append({**r, "mode": "train", "provider": {"xlnet_fast": "native"}.get(r["provider"], r["provider"])})
+    return out
+
+
+def model_section(records) -> list:
+    """Per model, mode and provider: tokens/s, ms per step, peak memory, MFU, against transformers."""
+    rows, by_case = [], defaultdict(dict)
+    for r in model_records(records):
+        by_case[(r.get("case", r.get("config")), r["mode"])][r["provider"]] = r
+    for (case, mode), provs in by_case.items():
+        hf = provs.get("hf") or {}
         for prov, r in provs.items():
-            rows.append([case, r.get("n_layer", "–"), r.get("B"), r.get("L"), r.get("mlen"), r.get("num_predict"), prov,
-                         "OOM" if r["status"] == "oom" else f"{r['tokens_per_s']:,.0f}",
-                         _fmt(r["ms"] if r["status"] == "ok" else None, 4),
+            ok = r["status"] == "ok"
+            rows.append([case, mode, r.get("n_layer", "–"), r.get("B"), r.get("L"), r.get("mlen"), r.get("num_predict"),
+                         prov, f"{r['tokens_per_s']:,.0f}" if ok else "OOM", _fmt(r["ms"] if ok else None, 4),
                          f"{r['peak_mem_mb'] / 1024:.1f}" if r.get("peak_mem_mb") else "–",
-                         _fmt(speedup, 3) if prov == "xlnet_fast" else ""])
+                         f"{r['mfu']:.1%}" if r.get("mfu") else "–",
+                         _fmt(_ratio(_ms(hf), r["ms"]) if ok else None, 3),
+                         _fmt(_ratio(r.get("peak_mem_mb"), hf.get("peak_mem_mb")), 2)])
     if not rows:
-        return ["No pretraining-step measurement."]
-    return _table(["model", "layers", "B", "seq", "mem", "targets", "provider", "tokens/s", "ms/step", "peak GiB",
-                   "speedup vs hf"], rows)
+        return ["No model-level measurement."]
+    return _table(["model", "mode", "layers", "B", "seq", "mem", "targets", "provider", "tokens/s", "ms/step",
+                   "peak GiB", "MFU", "speedup vs hf", "memory vs hf"], rows)
 
 
 def memory_section(records) -> list:
@@ -272,7 +287,7 @@ def summary_markdown(records, notes=(), title: str = "GPU campaign", compact: bo
     sections = [("Environment and ceilings", environment_section), ("Steps", steps_section),
                 ("Correctness", correctness_section), ("Attention", attention_section),
                 ("Where the GPU time goes", lambda recs: profile_section(recs, compact)),
-                ("Targets (docs/DESIGN.md §6)", targets_section), ("Pretraining step", pretrain_section),
+                ("Targets (docs/DESIGN.md §6)", targets_section), ("Model: training step and inference", model_section),
                 ("Memory: evaluation and generation (Transformer-XL, XLNet)", memory_section),
                 ("Autotuner's choices", lambda recs: autotune_section(recs, compact)),
                 ("Errors, cuts, skips", lambda recs: problems_section(recs, notes))]
@@ -288,7 +303,7 @@ def summary_markdown(records, notes=(), title: str = "GPU campaign", compact: bo
 
 def readme_tables(records) -> str:
     """The README's headline tables: the attention op against the others (D=64 first) and the
-    pretraining step, with the device and versions they were measured with."""
+    model's step, with the device and versions they were measured with."""
     env = (_ok(records, "environment") or [{}])[-1]
     out = [f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
            f"{env.get('date', '?')}; `python -m bench.campaign`, records in `bench/results/`), bf16, median ms:", ""]
@@ -299,7 +314,7 @@ def readme_tables(records) -> str:
     if rows:
         out += _table(["qlen", "mlen", "D", "pass", "xlnet_fast", "SDPA-flash (plain)", "FlexAttention", "transformers",
                        "× flash", "speedup vs transformers"], rows)
-    pre = pretrain_section(records)
+    pre = model_section(records)
     if len(pre) > 1:
-        out += ["", "Pretraining step (two-stream, bf16 autocast, AdamW):", ""] + pre
+        out += ["", "XLNet's training step (two-stream, bf16 autocast, AdamW) and inference forward:", ""] + pre
     return "\n".join(out)

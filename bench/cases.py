@@ -5,7 +5,7 @@ kind of input.
 ``OpCall`` (``rel_attention``, or ``rel_attention_two_stream`` when the case has a query stream),
 used by ``bench.attention``, ``bench.gpu_check`` and the compile report; the tests build their
 fuzzed ``OpCall``s on top of it (``tests/helpers/attention.py``). ``ModelCase`` + ``token_ids`` /
-``pretraining_batch``: the inputs of a whole model, used by ``bench.pretrain_step``,
+``pretraining_batch``: the inputs of a whole model, used by ``bench.model_step``,
 ``bench.cpu_vs_hf`` and ``bench.checkpoint_stall``. Model widths come from
 ``xlnet_fast.config.MODEL_SIZES``.
 

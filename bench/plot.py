@@ -1,5 +1,5 @@
 """PNG plots of the benchmark records (needs the ``bench`` extra): the attention providers' time
-against the sequence length, the pretraining step's tokens/s, the CPU model ratios.
+against the sequence length, the model step's tokens/s, the CPU model ratios.
 
     python -m bench.plot [--results bench/results] [--device NAME] [--out DIR | --record]
 
@@ -8,7 +8,7 @@ provider (log-log, OOM marked), from the latest records of each configuration;
 ``cpu_vs_hf.png``: the CPU model ratios. Written to ``--out`` (default: the cache directory, see
 ``bench.runner``), or with ``--record`` next to the project's records in ``bench/results/``. The GPU
 campaign (``bench.campaign``) draws its ``attention.png`` (``attention_panels``) and
-``pretrain.png`` (``pretrain_bars``) from its records with the same functions.
+``model_step.png`` (``model_bars``) from its records with the same functions.
 """
 
 from __future__ import annotations
@@ -100,20 +100,24 @@ def attention_panels(records, path: Path) -> bool:
     return True
 
 
-def pretrain_bars(records, path: Path) -> bool:
-    """Tokens/s of one pretraining step per model and provider, peak memory on the bars; False when
-    nothing was measured."""
-    recs = [r for r in records if r.get("op") == "pretrain_step" and r.get("status") in ("ok", "oom")]
+def model_bars(records, path: Path) -> bool:
+    """Tokens/s of XLNet's training step and inference forward per model and provider, peak memory on
+    the bars (``bench.model_step``, and the older ``bench.pretrain_step``); False when nothing was
+    measured."""
+    from bench.campaign_report import model_records
+
+    recs = model_records(records)
     if not recs:
         return False
     plt = _pyplot()
-    labels = list(dict.fromkeys(r.get("case", r.get("config")) for r in recs))
+    labels = list(dict.fromkeys(f"{r.get('case', r.get('config'))} {r['mode']}" for r in recs))
     provs = list(dict.fromkeys(r["provider"] for r in recs))
     fig, ax = plt.subplots(figsize=(max(5.5, 1.5 + 1.2 * len(labels) * len(provs)), 4))
     width = 0.8 / len(provs)
     for j, prov in enumerate(provs):
         for i, label in enumerate(labels):
-            r = next((r for r in recs if r.get("case", r.get("config")) == label and r["provider"] == prov), None)
+            r = next((r for r in recs if f"{r.get('case', r.get('config'))} {r['mode']}" == label
+                      and r["provider"] == prov), None)
             if r is None:
                 continue
             x = i + (j - (len(provs) - 1) / 2) * width
@@ -123,7 +127,8 @@ def pretrain_bars(records, path: Path) -> bool:
             ax.annotate("OOM" if r["status"] == "oom" else peak, (x, tps), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"XLNet pretraining step (on the bars: peak memory)\n{recs[0].get('device', '')}", fontsize=10)
+    ax.set_title(f"XLNet training step and inference forward (on the bars: peak memory)\n{recs[0].get('device', '')}",
+                 fontsize=10)
     ax.legend()
     _save(fig, path)
     return True

@@ -28,7 +28,7 @@ import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 OOM = "OOM"  # a measurement that ran out of device memory is recorded as this string
-# A run on CPU whose estimate is above this refuses (bench.attention, bench.pretrain_step).
+# A run on CPU whose estimate is above this refuses (bench.attention, bench.model_step).
 CPU_LIMIT_S = 600.0
 CPU_REPEATS = 3  # timed calls of a step on CPU, after one warm-up call
 # Fractions of the CPU's measured matmul rate the workloads reach, measured on 2 cores with torch

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xlnet_fast
-from bench import attention, cases, cpu_vs_hf, gpu_check, plot, pretrain_step, runner
+from bench import attention, cases, cpu_vs_hf, gpu_check, model_step, plot, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_REPO_CONTENT = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
@@ -210,7 +210,7 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module, name", [(attention, "attention.json"), (gpu_check, "gpu_check.json"),
-                                          (pretrain_step, "pretrain_step.json"), (cpu_vs_hf, "cpu_vs_hf.json"),
+                                          (model_step, "model_step.json"), (cpu_vs_hf, "cpu_vs_hf.json"),
                                           (plot, "")])
 def test_output_goes_to_the_cache_unless_recorded(cache, module, name):
     parser = module.build_parser()
@@ -219,7 +219,7 @@ def test_output_goes_to_the_cache_unless_recorded(cache, module, name):
     assert runner.output_path(parser.parse_args(["--out", "x"]), name) == Path("x")
     with pytest.raises(SystemExit):
         parser.parse_args(["--record", "--out", "x"])
-    if module in (attention, pretrain_step, cpu_vs_hf):  # they had --no-record: print only
+    if module in (attention, model_step, cpu_vs_hf):  # they had --no-record: print only
         assert runner.output_path(parser.parse_args(["--no-record"]), name) is None
 
 
@@ -267,14 +267,21 @@ def test_attention_pins_configs_and_refuses_unknown_ones_and_kernel_times_withou
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
-def test_pretrain_step_on_cpu_accepts_the_old_size_name_and_refuses_a_long_run(cache, capsys):
-    argv = ["--config", "mini", "--B", "1", "--seq", "16", "--mem", "8", "--predict", "4", "--repeats", "1"]
-    assert pretrain_step.main(argv) == 0
-    records = json.loads((cache / "pretrain_step.json").read_text())
-    assert [(r["provider"], r["config"]) for r in records] == [("xlnet_fast", "tiny"), ("hf", "tiny")]
-    assert all(r["tokens_per_s"] > 0 for r in records)
+def test_model_step_on_cpu_measures_every_provider_and_mode_and_refuses_a_long_run(cache, capsys):
+    """bench.model_step (the campaign's model_step step) on a tiny model: transformers, the patched
+    model, the native one and the native one compiled, training step and inference forward, the same
+    weights; and the old size name of bench.pretrain_step, its predecessor."""
+    argv = ["--config", "mini", "--B", "2", "--seq", "16", "--mem", "8", "--predict", "4", "--infer-B", "2",
+            "--vocab", "100", "--repeats", "1"]
+    assert model_step.main(argv) == 0
+    records = json.loads((cache / "model_step.json").read_text())
+    assert sorted((r["provider"], r["mode"]) for r in records) == sorted(
+        (p, m) for p in model_step.DEFAULT_PROVIDERS for m in model_step.MODES)
+    assert all(r["status"] == "ok" and r["config"] == "tiny" and r["tokens_per_s"] > 0 for r in records)
+    assert all(r["speedup_vs_hf"] == 1.0 for r in records if r["provider"] == "hf")
+    assert all(r["mfu"] is None for r in records)  # no peak on a CPU
     capsys.readouterr()
-    assert pretrain_step.main([]) == 2  # XLNet-base, B=8, seq 512 on this CPU
+    assert model_step.main([]) == 2  # XLNet-base, B=8, seq 512 on this CPU
     assert "would take about" in capsys.readouterr().err
 
 

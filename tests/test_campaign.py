@@ -21,7 +21,7 @@ from bench.compiler import pinned_configs
 ROOT = Path(__file__).resolve().parents[1]
 COMMON_FIELDS = {"run", "step", "op", "status", "t", "device"}
 STATUSES = {"ok", "error", "skipped", "cut", "oom"}
-ALL_FILES = {"campaign.jsonl", "campaign.log", "summary.md", "attention.png", "pretrain.png"}
+ALL_FILES = {"campaign.jsonl", "campaign.log", "summary.md", "attention.png", "model_step.png"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -77,9 +77,10 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     assert {(r["provider"], r["mode"]) for r in skipped} == {("sdpa_flash", "fwd"), ("sdpa_flash", "fwd_bwd"),
                                                              ("flex", "fwd_bwd")}
     assert all(r["reason"].startswith(campaign.NEEDS_CUDA) for r in skipped)
-    # the pretraining step
-    steps_measured = by(records, op="pretrain_step", status="ok")
-    assert sorted(r["provider"] for r in steps_measured) == ["hf", "xlnet_fast"]
+    # the model's training step and inference forward (bench.model_step)
+    steps_measured = by(records, op="model_step", status="ok")
+    assert sorted((r["provider"], r["mode"]) for r in steps_measured) == sorted(
+        (p, m) for p in ("hf", "patched", "native") for m in ("train", "infer"))
     assert all(r["tokens_per_s"] > 0 for r in steps_measured)
     # memory: Transformer-XL evaluation with memory vs recompute, generation with memory vs recompute
     reuse = by(records, op="memory_reuse", status="ok")
@@ -87,7 +88,7 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     gen = by(records, op="generation", status="ok")
     assert sorted(r["model"] for r in gen) == ["transfo-xl", "xlnet"]
     assert [r["same_tokens"] for r in gen if r["model"] == "transfo-xl"] == [True]
-    for name in ("attention.png", "pretrain.png"):
+    for name in ("attention.png", "model_step.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # the summary printed last is the one written
     summary = (out / "summary.md").read_text()
@@ -319,8 +320,9 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     assert "Measured on NVIDIA H100 80GB HBM3 (torch 2.11.0, triton 3.6.0, 2026-12-01" in readme
     assert "| 512 | 384 | 64 | fwd | 1 | 0.4 | OOM | 8 | 2.5 | 8 |" in readme
     assert "| 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
-    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in readme
-    assert sorted(p.name for p in out.iterdir()) == ["attention.png", "pretrain.png", "summary.md"]
+    # the older bench.pretrain_step's records read as training steps (its xlnet_fast is today's native)
+    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | 10.0 | – | 3 | 0.5 |" in readme
+    assert sorted(p.name for p in out.iterdir()) == ["attention.png", "model_step.png", "summary.md"]
     assert campaign.main(["--report", str(path), "--out", str(out)]) == 2  # never over another report
     assert campaign.main(["--report", str(tmp_path / "missing.jsonl")]) == 2
     # a record a section cannot read costs that section only
@@ -328,7 +330,7 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
                                       "status": "ok", "provider": "xlnet_fast"}]  # no shape fields
     text = campaign_report.summary_markdown(records)
     assert "## Attention" in text and "could not be made from the records: KeyError" in text
-    assert "| base | 12 | 8 | 512 | 384 | 85 | xlnet_fast | 40,960 |" in text  # the other sections are there
+    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 |" in text  # the other sections are there
 
 
 def test_the_kernel_profile_is_reported_per_provider():
