@@ -225,6 +225,20 @@ def provider_fn(name: str, inputs: cases.OpCall, mode: str):
 KERNEL_ROWS = 12  # kernels listed per profile (the rest summed into "other kernels")
 
 
+def profile_once(step, device: str) -> None:
+    """``step()`` to warm up, then once inside the CUDA profiler's range (what ``ncu
+    --profile-from-start off`` profiles); without CUDA both calls run unprofiled."""
+    step()
+    if device != "cuda":
+        step()
+        return
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def kernel_times(inputs: cases.OpCall, provider: str, mode: str, calls: int = 3) -> dict:
     """Where ``provider``'s time goes on CUDA: the GPU time per call of each kernel it launches
     (``torch.profiler`` over ``calls`` calls after a warm-up), the largest first, and in all."""
@@ -268,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pin the autotuned kernels to these configs (e.g. 64x64w4s1: no tuning; for ncu)")
     p.add_argument("--kernels", action="store_true",
                    help="also record each kernel's GPU time per call (torch.profiler; CUDA only)")
+    p.add_argument("--ncu", action="store_true",
+                   help="no timing: each measurement once to warm up (compiles, autotuning), then once between "
+                        "cudaProfilerStart/Stop, for `ncu --profile-from-start off` (without CUDA: once, unprofiled)")
     runner.add_output_args(p, RECORDS, no_record=True)
     return p
 
@@ -373,9 +390,11 @@ def main(argv=None) -> int:
 
 
 def _run_sweep(args, device: str) -> int:
-    providers = args.providers if device == "cuda" else [x for x in args.providers if x in CPU_PROVIDERS]
+    # without CUDA: the CPU providers, and with --ncu the Triton ones in Triton's interpreter (a rehearsal)
+    providers = args.providers if device == "cuda" or (args.ncu and contract.interpreting()) else [
+        x for x in args.providers if x in CPU_PROVIDERS]
     plan = _measurements(sweep_cases(args), args.modes, providers)
-    if device == "cpu":
+    if device == "cpu" and not args.ncu:
         refused = _cpu_plan(plan)
         if refused is not None:
             return refused
@@ -388,6 +407,11 @@ def _run_sweep(args, device: str) -> int:
         if why:
             print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {prov:14} "
                   f"skipped: {why}", flush=True)
+            continue
+        if args.ncu:
+            profile_once(provider_fn(prov, inputs, mode), device)
+            print(f"{dtype_name} D={case.D} mlen={case.mlen:4} L={case.qlen:6} B={case.B:3} {mode:8} {prov:14} "
+                  f"profiled once", flush=True)
             continue
         record = {**env, **measure(inputs, case, dtype_name, mode, prov, device)}
         if args.kernels and record["status"] == "ok":

@@ -4,8 +4,11 @@
         [--streams content two-stream] [--dropout off on] [--deterministic off on] [--dtype bf16 fp32 fp32-tf32]
         [--configs 64x64w4s1 ...] [--candidates all|first] [--no-reference] [--jobs N]
         [--json PATH | --record] [--table] [--check] [--gate]
+    python -m bench.compile_report --record-all [--jobs N]   # every committed record again (triton 3.6)
+    python -m bench.compile_report --calibrate               # the time model against the GPU runs' times
 
-Runs the op's own launch code (``xlnet_fast.kernels.forward`` / ``backward``) on meta tensors
+Runs the op's own launch code (``xlnet_fast.kernels.forward`` / ``backward``) on CPU tensors (the
+launcher's row tables keep their values, which place the skew's gather; float tensors are kept as meta)
 inside ``rel_attention.compiling_for(arch)``, where the launcher launches each kernel once per
 candidate config of that arch (``rel_attention.configs_for``), and records those launches
 (``bench.compiler.aot``); compiles each distinct launch for the arch with the launch's
@@ -14,9 +17,13 @@ Blackwell's tensor-memory columns (what triton checks at launch: ``launchable`` 
 ``rel_attention.launchable``, the per-block opt-in limit of the arch and 512 TMEM columns), the MMA
 kind (``tcgen05``, ``wgmma``, ``mma.sync`` or ``none (FMA)``) and, per iteration of the key loop and
 per score element, the SASS instructions by class (``bench.compiler.sass``; how loops are counted:
-``bench.compiler.launches``). A plain FlashAttention-2 (``bench.compiler.fa2_reference``) is compiled
-for the same arch, D and config (tiles, warps, stages, ``maxnreg``) as each op binary:
-``ratio_to_reference`` compares like with like, or is null with ``reference.error`` saying why the
+``bench.compiler.launches``), the shared-memory bytes and 128-byte wavefronts (bank conflicts
+included, from the PTX's lane addresses: ``sass.smem_traffic``; "B-eq" = wavefronts x 128 B) and the
+key loop's spill bytes, resident warps per SM (``targets.resident_warps``) and the time model's
+``predicted`` cycles per score (``targets.MODEL``, calibrated by ``--calibrate`` against the GPU runs'
+kernel times: bench/NOTES.md, "What ranks real speed"). A plain FlashAttention-2
+(``bench.compiler.fa2_reference``) is compiled for the same arch, D and config (tiles, warps, stages,
+``maxnreg``) as each op binary: ``ratio_to_reference`` compares like with like, or is null with ``reference.error`` saying why the
 reference has no such binary. Dropout binaries carry ``dropout_overhead``: inst/score over the same
 kernel's at the same config and scenario without dropout.
 
@@ -25,13 +32,18 @@ the launcher asked ``configs_for`` about; ``fixup`` is the dK/dV kernel's second
 held to launchability, spills and register cliffs only), ``candidate`` (its place in ``configs_for``), ``D``,
 ``scenarios``, ``flags``, ``config``, ``regs``, ``spill_bytes`` (= ``spill_store_bytes`` +
 ``spill_load_bytes``), ``smem_bytes``, ``tmem_columns``, ``launchable``, ``mma``, ``per_iteration``,
-``inst_per_score``, ``ratio_to_reference``, ``reference`` and, with dropout, ``dropout_overhead``.
+``inst_per_score``, ``smem_bytes_per_score``, ``smem_beq_per_score``, ``smem_traffic`` (by kind of
+access), ``local_bytes_per_score``, ``resident_warps``, ``predicted``, ``ratio_to_reference``,
+``reference`` (the same figures of the reference binary) and, with dropout, ``dropout_overhead``. The
+reference is also compiled at its own tiles (``REFERENCE_CONFIG``, what a GPU run times it at).
 Per (arch, D, role) the report prints the configs compiled and launchable, the best launchable
 spill-free config (lowest inst/score; a config's figures are its worst over the scenarios; where none
-is spill-free, the lowest within the spill cap) with its ratio and dropout overhead, and problems
-against issue 20's targets (``bench.compiler.targets``; ``--check`` exits 1 on any) and regressions
-(``--gate``, what CI runs: every target that is met, and the measured ceilings of ``SHORTFALLS``
-where one is not yet). Output: ``--json PATH`` (one file), ``--record``
+is spill-free, the lowest within the spill cap) with its ratio and dropout overhead, the config the
+time model predicts fastest with its predicted time over the reference's (``predicted_ratio``), and
+problems against issue 20's targets (``bench.compiler.targets``; ``--check`` exits 1 on any) and regressions
+(``--gate``, what CI runs: every target that is met, the measured ceilings of ``SHORTFALLS``
+where one is not yet, and the predicted ratio's ceiling of ``PREDICTED_CEILINGS``). Output: ``--json
+PATH`` (one file), ``--record``
 (``bench/results/compile_sm<arch>.json`` per arch, overwritten: one snapshot of the kernels), else
 the cache directory (``bench.runner``). Compiled records are cached there too, by everything that
 makes the binary, so a re-run compiles only what changed. The reference role of the dk_r kernel
@@ -54,11 +66,20 @@ import triton
 from bench import runner
 from bench.compiler import aot
 from bench.compiler.launches import DTYPES, ROLES, ROW_HEADER, Case, compile_all, log, op_tasks, reference_tasks, row
-from bench.compiler.targets import attach_dropout_overhead, attach_ratios, launchability, number, summarise
+from bench.compiler.targets import (attach_dropout_overhead, attach_ratios, calibration, calibration_markdown,
+                                    launchability, measured_times, number, summarise)
 
 ARCHS = (80, 86, 89, 90, 100, 120)
 REPORT = "compile_report.json"  # --json's default, in the cache directory
 RECORD = "compile_sm{arch}.json"  # --record: one file per arch under bench/results
+FP32_RECORD = "compile_fp32.json"
+# --record-all: every committed compile record, made again (with the GPU machines' triton, 3.6)
+RECORD_ALL = (
+    ["--arch", *map(str, ARCHS), "--D", "64", "128", "--streams", "content", "two-stream", "--dropout", "off", "on",
+     "--deterministic", "off", "on", "--record"],
+    ["--arch", *map(str, ARCHS), "--D", "64", "--streams", "two-stream", "--dropout", "off", "--deterministic", "off",
+     "--dtype", "fp32", "fp32-tf32", "--json", str(runner.RESULTS_DIR / FP32_RECORD)],
+)
 
 
 def table(records: list) -> str:
@@ -82,6 +103,12 @@ def summary_line(s: dict) -> str:
                 f"{'/'.join(best['mma'])}, {number(best['inst_per_score'], '{:.1f}')} inst/score, "
                 f"{number(best['ratio_to_reference'], '{:.2f}')}x ref"
                 + ("" if best["dropout_overhead"] is None else f", dropout {best['dropout_overhead']:.2f}x"))
+    fastest = s.get("fastest")
+    if fastest is not None and s["role"] != "fixup":
+        text += (f"; predicted fastest {fastest['config']}: "
+                 f"{number(fastest['smem_beq_per_score'], '{:.0f}')} B-eq/score of shared memory, "
+                 f"{fastest['resident_warps']} warps/SM, "
+                 f"{number(s.get('predicted_ratio'), '{:.2f}')}x the reference's predicted time")
     return (text + "".join(f"\n    PROBLEM {p}" for p in s["problems"])
             + "".join(f"\n    REGRESSION {p}" for p in s.get("regressions", [])))
 
@@ -141,14 +168,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cache", action="store_true", help="compile everything again")
     parser.add_argument("--table", action="store_true", help="print every binary's row")
     parser.add_argument("--check", action="store_true", help="exit 1 on any problem against issue 20's targets")
+    parser.add_argument("--record-all", action="store_true",
+                        help="make every committed record again: " + " ; ".join(" ".join(run) for run in RECORD_ALL)
+                             + " (with --jobs)")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="compile nothing: the time model's rules against the measured kernel times "
+                             "(bench/results: compile_sm<arch>.json, campaign_*.jsonl, kernel_times.json)")
     parser.add_argument("--gate", action="store_true",
                         help="exit 1 on a regression: a target that is met no longer is, or an unmet one got "
                              "worse than its measured ceiling (SHORTFALLS); what CI runs")
     return parser
 
 
+def calibrate() -> int:
+    """Print the calibration table of the committed records (``targets.calibration``)."""
+    times = measured_times(runner.RESULTS_DIR)
+    records, references = [], []
+    for arch in sorted({t["arch"] for t in times}):
+        path = runner.RESULTS_DIR / RECORD.format(arch=arch)
+        written = json.loads(path.read_text())
+        records += written["records"]
+        references += written["references"]
+    print(calibration_markdown(calibration(records, references, times)))
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.calibrate:
+        return calibrate()
+    if args.record_all:
+        return max(main([*run, "--jobs", str(args.jobs)]) for run in RECORD_ALL)
     # the kernels must be decorated in compiled mode: before xlnet_fast.kernels is first imported
     os.environ["TRITON_INTERPRET"] = "0"
     import bench.source_tree
@@ -176,7 +226,7 @@ def main(argv=None) -> int:
     operand_records = [launchability({**t.info, **r}) for t, r in zip(operand_tasks, compiled[len(op) + len(refs):])]
     attach_ratios(records, references)
     attach_dropout_overhead(records)
-    summary = summarise(records, all_candidates=not configs and not first)
+    summary = summarise(records, all_candidates=not configs and not first, references=references)
     meta = {"command": "python -m bench.compile_report " + " ".join(argv if argv is not None else sys.argv[1:]),
             "triton": triton.__version__, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "target": "cuda sm_<arch> (sm_90a, sm_100a, ...), no GPU",

@@ -91,6 +91,119 @@ def test_sass_natural_loops_key_loop_counts_and_mma_kinds():
     assert sass.parse("        /*0000*/                   FFMA R1, R2, R3, R4 ;\n").mma_kind() == "none (FMA)"
 
 
+# PTX of a 64-thread kernel whose loop (an MMA in it, so the key loop) stores 4 bytes a lane to
+# shared memory at three lane patterns (a 4-byte stride, a 128-byte stride, and a per-thread table
+# value times 128 bytes, as the skew's gather is placed by the row tables), a fourth store guarded
+# to the first 16 threads, a 16-byte load per lane, and a store placed by a value that went through
+# shared memory (thread 0 publishes a parameter), a warp reduction and a byte permute; one
+# inline-asm scope with a label.
+_PTX = """
+.visible .entry k(
+	.param .u64 .ptr .global .align 1 k_param_0,
+	.param .u32 k_param_1
+)
+.reqntid 64
+{
+	.reg .pred 	%p<4>;
+	.reg .b32 	%r<40>;
+	.reg .b64 	%rd<8>;
+	mov.u32 	%r1, %tid.x;
+	ld.param.b64 	%rd1, [k_param_0];
+	ld.param.b32 	%r20, [k_param_1];
+	mul.wide.u32 	%rd2, %r1, 4;
+	add.s64 	%rd3, %rd1, %rd2;
+	// begin inline asm
+	mov.u32 %r2, 0x0;
+	@%p3 ld.global.b32 { %r2 }, [ %rd3 + 0 ];
+	// end inline asm
+	setp.lt.u32 	%p2, %r1, 16;
+	shl.b32 	%r3, %r1, 2;
+	mov.b32 	%r4, global_smem;
+	add.s32 	%r5, %r4, %r3;
+	shl.b32 	%r6, %r1, 7;
+	add.s32 	%r7, %r4, %r6;
+	shl.b32 	%r8, %r2, 7;
+	add.s32 	%r9, %r4, %r8;
+	shl.b32 	%r12, %r1, 4;
+	add.s32 	%r13, %r4, %r12;
+	setp.eq.u32 	%p5, %r1, 0;
+	@%p5 st.shared.b32 	[%r4+16384], %r20;
+	bar.sync 	0;
+	ld.shared.b32 	%r21, [%r4+16384];
+	redux.sync.max.s32 	%r22, %r1, -1;
+	and.b32 	%r23, %r22, 32;
+	prmt.b32 	%r25, %r23, 0, 0x7710U;
+	add.s32 	%r26, %r25, %r21;
+	shl.b32 	%r27, %r26, 2;
+	add.s32 	%r28, %r5, %r27;
+	mov.u32 	%r10, 0;
+$L__BB0_1:
+	st.shared.b32 	[%r5], %r1;
+	st.shared.b32 	[%r7+4096], %r1;
+	st.shared.b32 	[%r9], %r1;
+	@%p2 st.shared.b32 	[%r5+8192], %r1;
+	ld.shared.v4.b32 	{%r14, %r15, %r16, %r17}, [%r13];
+	st.shared.b32 	[%r28+12288], %r1;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r30, %r31, %r32, %r33}, {%r21, %r22, %r23, %r24}, {%r25, %r26}, {%r30, %r31, %r32, %r33};
+	{
+	.reg .pred done;
+	waitLoop:
+	mbarrier.try_wait.parity.shared.b64 done, [%r4], %r10;
+	@!done bra.uni waitLoop;
+	}
+	add.s32 	%r10, %r10, 1;
+	setp.lt.s32 	%p1, %r10, %r20;
+	@%p1 bra 	$L__BB0_1;
+	ret;
+}
+"""
+
+
+def test_smem_traffic_follows_lane_addresses_placed_by_tables_and_guards():
+    import numpy as np
+
+    def memory(table):
+        def read(addresses, known, width):
+            index = (addresses - (1 << 36)) // 4
+            ok = known & (index >= 0) & (index < len(table))
+            return np.where(ok, np.asarray(table)[np.clip(index, 0, len(table) - 1)], 0), ok
+        return read
+
+    params = {0: (1 << 36, True), 1: (8, True)}
+    program = [((0, 0, 0), (1, 1, 1))]
+    # the guard %p3 was never set: its threads' loads are unknown, so the table-placed store is unresolved
+    found = sass.smem_traffic(_PTX, params, memory(list(range(64))), 64, program)
+    assert found["unresolved"] == 1
+    ptx = _PTX.replace("@%p3 ld.global", "ld.global")
+    # per warp: 4 B a lane at 4 B apart: 1 wavefront; 128 B apart: all in one bank, 32; the guarded
+    # store, 16 lanes of warp 0 only: 1; 16 B a lane: 4 phases of 8 lanes, 1 each
+    spread = sass.smem_traffic(ptx, params, memory(list(range(64))), 64, program)
+    assert spread["unresolved"] == 0
+    assert spread["by_kind"] == {"sts": [4 * 256 + 64, 2 * (1 + 32 + 32 + 1) + 1], "lds": [1024, 8]}
+    # the table places every lane of a warp in the same word: one access per warp (a broadcast)
+    same = sass.smem_traffic(ptx, params, memory([5] * 64), 64, program)
+    assert same["by_kind"]["sts"] == [4 * 256 + 64, 2 * (1 + 32 + 1 + 1) + 1]
+    # averaged over programs
+    both = sass.smem_traffic(ptx, params, memory(list(range(64))), 64, program * 2)
+    assert both["wavefronts"] == spread["wavefronts"]
+    assert sass.smem_traffic(_PTX.replace("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "mov.b32"),
+                             params, memory([0] * 64), 64, program) is None  # no MMA: no key loop
+
+
+def test_resident_warps_per_sm_as_nsight_compute_counted_them():
+    """The H100's Nsight Compute occupancy sections (../shared/perf/H100_ncu_2026-11-26.txt): our
+    forward at 228 registers and 107 KB, dK/dV at 255 and 61 KB, the fix-up at 188 and 57 KB, and the
+    reference's 8-warp kernels at 125 and 131 registers."""
+    assert report.resident_warps(90, 228, 107_008, 128) == 8
+    assert report.resident_warps(90, 255, 61_440, 128) == 8
+    assert report.resident_warps(90, 188, 57_344, 128) == 8
+    assert report.resident_warps(90, 125, 49_152, 256) == 16
+    assert report.resident_warps(90, 131, 99_328, 256) == 8  # one block: 136 x 256 x 2 registers > 64K
+    assert report.resident_warps(90, 168, 57_344, 128) == 12  # the forward's register cap: a third block
+    assert report.resident_warps(86, 64, 60_000, 128) == 4  # 100 KB of shared memory an SM: one block
+    assert report.resident_warps(89, 32, 1_000, 64) == 48  # the warp limit
+
+
 def _binary(config, role="dq", arch=90, D=64, scenario="two-stream", kernel=None, **figures) -> dict:
     record = {"arch": arch, "D": D, "role": role, "kernel": kernel or f"_{role}", "config": config,
               "candidate": 0, "scenarios": [scenario], "regs": 200, "spill_bytes": 0, "smem_bytes": 100_000,
@@ -192,7 +305,28 @@ def test_regression_gate_holds_met_targets_and_measured_ceilings(monkeypatch):
     assert report.regressions(summary, version="3.6") == []
     assert report.regressions(summary, version="3.9") == ["32x32w4s1: MMA mma.sync (gate: wgmma)",
                                                           "32x32w4s1: 3.4x the reference (gate: 3.3x)"]
+    # the time model's ratio to the reference at the config it predicts fastest
+    monkeypatch.setattr(report, "PREDICTED_CEILINGS", {"3.6": {(90, 64, "dq"): 20.0}, "3.9": {(90, 64, "dq"): 15.0}})
+    timed = [_binary("32x32w4s1", mma="mma.sync", ratio_to_reference=3.4, inst_per_score=48.0,
+                     smem_beq_per_score=222.0, resident_warps=8, threads=128),
+             _binary("64x64w4s2", spill_bytes=500, ratio_to_reference=4.0, candidate=1, inst_per_score=37.0,
+                     smem_beq_per_score=140.0, resident_warps=8, threads=128)]
+    for b in timed:
+        b["predicted"] = report.predicted_cycles(b)
+    reference = {**_binary(report.REFERENCE_CONFIG, kernel="_fa2_bwd_q", inst_per_score=9.0, smem_beq_per_score=12.0,
+                           resident_warps=16), "predicted": None}
+    reference["predicted"] = report.predicted_cycles(reference)
+    [summary] = report.summarise(timed, references=[reference])
+    assert summary["fastest"]["config"] == "64x64w4s2" and summary["best"]["config"] == "32x32w4s1"
+    assert summary["predicted_ratio"] == round(timed[1]["predicted"] / reference["predicted"], 2)
+    assert 15.0 < summary["predicted_ratio"] < 20.0
+    assert report.regressions(summary, version="3.6") == []
+    assert report.regressions(summary, version="3.9")[-1] == (
+        f"64x64w4s2: predicted {summary['predicted_ratio']}x the reference's time (gate: 15.0x)")
+    [unknown] = report.summarise(timed)  # no reference binary: no prediction to hold
+    assert report.regressions(unknown, version="3.9")[-1].startswith("64x64w4s2: no predicted time")
     # a version never measured: the loosest ceiling of each entry
+    assert report.limits(90, 64, "dq", version="4.0")["predicted_ratio"] == 20.0
     assert report.limits(90, 64, "dq", version="4.0")["ratio"] == 3.5
     assert report.limits(90, 64, "dq", version="4.0")["spill"] == 64
     # a 64-row Hopper build without wgmma, or a build without any tensor-core MMA, fails wherever it is
@@ -248,7 +382,11 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
               for c in rel_attention.configs_for(arch, 64, role)}
     assert {(r["arch"], r["role"], r["config"]) for r in records} == wanted
     assert all(r["ratio_to_reference"] for r in records), "a binary without its like-for-like reference"
+    # every binary's shared-memory traffic resolved from its lane addresses, and its occupancy
+    assert all(r["smem_beq_per_score"] >= r["smem_bytes_per_score"] > 0 and not r["smem_traffic"]["unresolved"]
+               and r["resident_warps"] and r["predicted"] for r in records)
     assert {(s["arch"], s["role"]) for s in written["summary"]} == {(a, r) for a, r, _ in wanted}
+    assert all(s["predicted_ratio"] for s in written["summary"] if s["role"] != "fixup")
     assert run.returncode == 0, "what users run, against issue 20's targets and the ceilings:\n" + run.stdout[-4000:]
 
 
@@ -266,7 +404,7 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
     for path in paths:
         written = json.loads(path.read_text())
         assert written["triton"].startswith("3.6."), f"{path.name}: made with triton {written['triton']}"
-        for s in report.summarise(written["records"]):
+        for s in report.summarise(written["records"], references=written["references"]):
             wanted = [rel_attention.config_name(c) for c in rel_attention.configs_for(s["arch"], s["D"], s["role"])]
             where = f"{path.name} D={s['D']} {s['role']}"
             if sorted(wanted) != sorted(c["config"] for c in s["configs"]):
@@ -274,3 +412,21 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
             problems += [f"{where}: {p}" for p in report.regressions(s, version="3.6")]
     assert not problems, "re-run python -m bench.compile_report --record, or fix the kernels:\n" + "\n".join(
         problems)
+
+
+def test_the_time_model_orders_the_measured_configs():
+    """The report's time model (``targets.MODEL``) against the GPU runs' kernel times
+    (``python -m bench.compile_report --calibrate``, bench/NOTES.md "What ranks real speed"): every
+    measured kernel has its binary in the committed records, the model orders at least 90% of the
+    H200's measured pairs of configs right, and more than instructions per score (R0) do."""
+    times = report.measured_times(runner.RESULTS_DIR)
+    records, references = [], []
+    for arch in sorted({t["arch"] for t in times}):
+        written = json.loads((runner.RESULTS_DIR / f"compile_sm{arch}.json").read_text())
+        records, references = records + written["records"], references + written["references"]
+    found = report.calibration(records, references, times)
+    assert [f"{r['gpu']} {r['role']} {r['config']}" for r in found["rows"] if r["binary"] is None] == []
+    right, scored = found["orders"][report.MODEL]
+    assert scored >= 40 and right >= 0.9 * scored and right > found["orders"]["R0"][0]
+    assert {(x["gpu"], x["role"]) for x in found["ratios"]} == {(g, r) for g in ("H100", "H200")
+                                                              for r in ("fwd", "dkdv", "dq")}

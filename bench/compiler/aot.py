@@ -47,6 +47,7 @@ class Launch:
     kwargs: dict  # keyword arguments, the config's included (num_warps, num_stages, ...)
     config: triton.Config | None = None  # the autotuner config this launch is recorded for
     labels: dict = field(default_factory=dict)  # what the caller set in recorder.labels at the launch
+    grid: object = None  # as launched: a tuple, or a function of the launch's arguments by name
 
     @property
     def autotuned(self) -> bool:
@@ -78,7 +79,9 @@ def capture_launches():
     jit_run, autotuner_run = JITFunction.run, Autotuner.run
 
     def record_jit(self, *args, grid, warmup, **kwargs):
-        recorder.launches.append(Launch(self, args, dict(kwargs), recorder._config, dict(recorder.labels)))
+        recorder.launches.append(Launch(self, tuple(_tables_only(a) for a in args),
+                                        {k: _tables_only(v) for k, v in kwargs.items()}, recorder._config,
+                                        dict(recorder.labels), grid))
         return None
 
     def record_autotuned(self, *args, **kwargs):
@@ -100,6 +103,69 @@ def capture_launches():
         yield recorder
     finally:
         JITFunction.run, Autotuner.run = jit_run, autotuner_run
+
+
+def _tables_only(arg):
+    """A floating-point tensor as a meta tensor of the same layout (its values never place a memory
+    access, and the report holds many launches); integer tensors (row tables) keep their values."""
+    import torch
+
+    if isinstance(arg, torch.Tensor) and arg.device.type != "meta" and arg.is_floating_point():
+        storage = torch.empty(arg.untyped_storage().nbytes() // arg.element_size(), dtype=arg.dtype, device="meta")
+        return storage.as_strided(arg.shape, arg.stride(), arg.storage_offset())
+    return arg
+
+
+def grid_size(launch: Launch) -> tuple:
+    """The launch's grid as three ints (the grid function evaluated on its arguments by name)."""
+    grid = launch.grid
+    if callable(grid):
+        grid = grid({**dict(zip(launch.fn.arg_names, launch.args)), **launch.kwargs})
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    return tuple(int(g) for g in grid[:3])
+
+
+def lane_inputs(launch: Launch, arch: int) -> tuple:
+    """What ``sass.smem_traffic`` needs of the launch: {PTX parameter index: (value, known)} (a
+    pointer is a made-up address in a region of its own) and ``memory(addresses, known, width)``,
+    the little-endian integers stored there (known only in tensors that hold values: on the CPU,
+    integer)."""
+    import numpy as np
+    import torch
+
+    signature, constexprs, _attrs, _options = specialise(launch, arch)
+    by_name = {**dict(zip(launch.fn.arg_names, launch.args)), **launch.kwargs}
+    values, regions = {}, []
+    runtime = [name for name, kind in signature.items() if kind != "constexpr"]
+    for index, name in enumerate(runtime):
+        arg = by_name.get(name)
+        if isinstance(arg, torch.Tensor):
+            base = (len(regions) + 1) << 36
+            data = None
+            if arg.device.type == "cpu" and not arg.is_floating_point():
+                data = torch.empty(0, dtype=torch.uint8).set_(arg.untyped_storage()).numpy()
+            regions.append(data)
+            values[index] = (base + arg.storage_offset() * arg.element_size(), True)
+        elif isinstance(arg, (bool, int)):
+            values[index] = (int(arg), True)
+        else:
+            values[index] = (0, False)
+
+    def memory(addresses, known, width):
+        region = (addresses >> 36) - 1
+        offset = addresses - ((region + 1) << 36)
+        out, ok = np.zeros(len(addresses), np.int64), np.zeros(len(addresses), bool)
+        for r in np.unique(region[known]):
+            data = regions[r] if 0 <= r < len(regions) else None
+            if data is None:
+                continue
+            lanes = known & (region == r) & (offset >= 0) & (offset + width <= len(data))
+            for byte in range(width):
+                out[lanes] |= data[offset[lanes] + byte].astype(np.int64) << (8 * byte)
+            ok |= lanes
+        return out, ok
+
+    return values, memory
 
 
 class _PlacedTensor:
@@ -131,6 +197,7 @@ class Compiled:
     smem_bytes: int
     tmem_columns: int | None  # Blackwell tensor memory (None where triton does not report it)
     sass: str  # nvdisasm -c -gi
+    ptx: str
     ptxas_log: str
 
 
@@ -202,6 +269,7 @@ def compile_launch(launch: Launch, arch: int) -> Compiled:
         smem_bytes=int(compiled.metadata.shared),
         tmem_columns=getattr(compiled.metadata, "tmem_size", None),
         sass=disassemble(compiled.asm["cubin"]),
+        ptx=compiled.asm["ptx"],
         ptxas_log=log,
     )
 

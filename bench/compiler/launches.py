@@ -26,11 +26,16 @@ from pathlib import Path
 import torch
 import triton
 
-from bench import cases, runner
+from bench import attention, cases, runner
 from bench.compiler import aot, sass
-from bench.compiler.targets import REFERENCE_ROLE, launchability, number
+from bench.compiler.targets import REFERENCE_CONFIG, REFERENCE_ROLE, launchability, number
 
 ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
+# The reference's own tiles: what bench.attention's fa2_ref provider times on a GPU, so the model's
+# ratio to the reference can be compared with a GPU's.
+REFERENCE_TRITON_CONFIG = triton.Config({k: attention.FA2_REF_TILES[k] for k in ("BLOCK_M", "BLOCK_N")},
+                                        num_warps=attention.FA2_REF_TILES["num_warps"],
+                                        num_stages=attention.FA2_REF_TILES["num_stages"])
 CACHE = "compile_report_cache"  # analysed binaries, in the cache directory
 # Seconds one worker takes per binary, compile + ptxas + nvdisasm (measured with triton 3.6: 1,154
 # binaries in 19 minutes on 2 workers; the full matrix is 1,040 since dK/dV's content and two-stream
@@ -225,7 +230,9 @@ def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> tupl
     tasks: dict = {}
     operand_tasks: dict = {}
     for case in scenarios:
-        for launch in capture(op_calls(case), arch):
+        # on the CPU: the launcher's row tables hold values (they place the skew's gather, which
+        # smem_traffic follows); the float tensors are kept as meta tensors (aot.capture_launches)
+        for launch in capture(op_calls(case, "cpu"), arch):
             name, labels = config_name(launch), launch.labels
             if launch.fn in operands.KERNELS:
                 key = aot.compile_key(launch, arch)
@@ -251,14 +258,16 @@ def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> tupl
 
 
 def reference_tasks(op: list) -> list:
-    """The FlashAttention-2 reference of each op task's reference role at its arch, D and config."""
+    """The FlashAttention-2 reference of each op task's reference role at its arch, D and config,
+    and at the reference's own config (``REFERENCE_CONFIG``, what the GPU runs time it at)."""
     from bench.compiler import fa2_reference
 
-    wanted = {(t.arch, t.info["D"], t.info["config"], REFERENCE_ROLE[t.info["role"]]): t for t in op
-              if t.info["dtype"] == "bf16"}  # the reference is bf16 only
+    wanted = {(t.arch, t.info["D"], t.info["config"], REFERENCE_ROLE[t.info["role"]]): launch_config(t.launch)
+              for t in op if t.info["dtype"] == "bf16"}  # the reference is bf16 only
+    for arch, D, _name, role in list(wanted):
+        wanted[(arch, D, REFERENCE_CONFIG, role)] = REFERENCE_TRITON_CONFIG
     tasks, launches = [], {}
-    for (arch, D, name, role), task in sorted(wanted.items(), key=lambda item: item[0]):
-        config = launch_config(task.launch)
+    for (arch, D, name, role), config in sorted(wanted.items(), key=lambda item: item[0]):
         tiles = {k: v for k, v in config.all_kwargs().items()
                  if k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "maxnreg")}
         if (arch, D, name) not in launches:
@@ -295,17 +304,50 @@ def analyse(task: Task) -> dict:
     }
     key_loop = code.key_loop()
     if key_loop is None:
-        return {**out, "key_loop": None, "per_iteration": None, "inst_per_score": None}
+        return {**out, "key_loop": None, "per_iteration": None, "inst_per_score": None, "smem_traffic": None,
+                "smem_bytes_per_score": None, "smem_beq_per_score": None, "local_bytes_per_score": None}
     counts = sass.per_iteration(key_loop, lambda loop: 1)  # static: nested loops once
     nested = [len(loop.own) for loop in key_loop.descendants()]  # instructions of each nested loop
+    traffic = smem_traffic(launch, arch, compiled.ptx, warps * 32, bm * bn)
+    local = sum(sass.access_bytes(i) for loop in [key_loop, *key_loop.descendants()] for i in loop.own
+                if i.base in ("LDL", "STL")) * warps * 32 / (bm * bn)  # spills: one lane's bytes, coalesced
     return {**out, "key_loop": {"address": hex(key_loop.head), "nested_loops": nested},
             "per_iteration": {name: counts.get(name, 0) for name in COUNTED},
-            "inst_per_score": round(counts["inst"] * warps * 32 / (bm * bn), 2)}
+            "inst_per_score": round(counts["inst"] * warps * 32 / (bm * bn), 2), "smem_traffic": traffic,
+            "smem_bytes_per_score": traffic and traffic["bytes_per_score"],
+            "smem_beq_per_score": traffic and traffic["beq_per_score"], "local_bytes_per_score": round(local, 2)}
+
+
+def sampled_programs(grid: tuple) -> list:
+    """The CTAs whose key loop ``smem_traffic`` follows: the first, middle and last along the grid's
+    first axis (query or key tiles), of the first (batch row, head)."""
+    return [((x, 0, 0), grid) for x in sorted({0, grid[0] // 2, grid[0] - 1})]
+
+
+def smem_traffic(launch: aot.Launch, arch: int, ptx: str, threads: int, scores: int) -> dict | None:
+    """Shared-memory bytes and 128-byte wavefronts (bank conflicts included) of one key-loop
+    iteration per score (``sass.smem_traffic``: the PTX's lane addresses; the skew's gather placed
+    by the launch's own row tables), averaged over ``sampled_programs``; by kind of access (lds/sts,
+    ldsm/stsm, ldgsts, the MMA's operand reads: [B/score, B-eq/score]); ``unresolved``: accesses
+    whose addresses were not all known (counted conflict-free)."""
+    try:
+        values, memory = aot.lane_inputs(launch, arch)
+        found = sass.smem_traffic(ptx, values, memory, threads, sampled_programs(aot.grid_size(launch)))
+    except Exception as exc:  # noqa: BLE001 - the report's other figures stand without this one
+        return {"error": f"{type(exc).__name__}: {exc}"[:300], "bytes_per_score": None, "beq_per_score": None}
+    if found is None:
+        return None
+    return {"bytes_per_score": round(found["bytes"] / scores, 2),
+            "beq_per_score": round(128 * found["wavefronts"] / scores, 2),
+            "by_kind": {k: [round(b / scores, 2), round(128 * w / scores, 2)]
+                        for k, (b, w) in found["by_kind"].items()},
+            "unresolved": found["unresolved"]}
 
 
 def _analysis_version() -> str:
     """Changes when the code that reads binaries does (the cache's validity)."""
-    source = inspect.getsource(analyse) + inspect.getsource(aot) + inspect.getsource(sass)
+    source = (inspect.getsource(analyse) + inspect.getsource(smem_traffic) + inspect.getsource(sampled_programs)
+              + inspect.getsource(aot) + inspect.getsource(sass))
     return hashlib.sha256(f"{triton.__version__}\n{source}".encode()).hexdigest()[:16]
 
 
@@ -373,8 +415,13 @@ def row(r: dict) -> str:
         str(r["regs"]), f"{r['spill_store_bytes']}+{r['spill_load_bytes']}", smem, n(r.get("tmem_columns")),
         r["mma"], n(it.get("inst")), n(it.get("mma")), n(it.get("shfl")), f"{n(it.get('lds'))}/{n(it.get('sts'))}",
         f"{n(it.get('ldl'))}/{n(it.get('stl'))}", n(r.get("inst_per_score"), "{:.1f}"),
-        n(r.get("ratio_to_reference"), "{:.2f}"), n(r.get("dropout_overhead"), "{:.2f}")])
+        n(r.get("ratio_to_reference"), "{:.2f}"), n(r.get("dropout_overhead"), "{:.2f}"),
+        n(r.get("smem_bytes_per_score"), "{:.1f}"), n(r.get("smem_beq_per_score"), "{:.1f}"),
+        n(r.get("resident_warps")),
+        n(r.get("predicted"), "{:.2f}"), n((r.get("reference") or {}).get("smem_beq_per_score"), "{:.1f}"),
+        n((r.get("reference") or {}).get("resident_warps"))])
 
 
 ROW_HEADER = ("arch", "kernel", "scenarios", "D", "config", "regs", "spill B (st+ld)", "smem B", "TMEM", "mma",
-           "inst/it", "MMA/it", "SHFL/it", "LDS/STS it", "LDL/STL it", "inst/score", "x ref", "x no-dropout")
+              "inst/it", "MMA/it", "SHFL/it", "LDS/STS it", "LDL/STL it", "inst/score", "x ref", "x no-dropout",
+              "smem B/score", "smem B-eq/score", "warps/SM", "predicted", "ref B-eq/score", "ref warps/SM")
