@@ -23,6 +23,10 @@ Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``)
 - ``memory``: ``bench.memory_reuse`` (Transformer-XL evaluation with memory against a recomputed
   sliding context, 128…3,800) and ``bench.generation`` (Transformer-XL and XLNet, with memory
   against recomputing the context);
+- ``ncu``: Nsight Compute (``--clock-control none``) on the attention kernels, ours and the FA2
+  reference's, at the sweep's first shape: shared-memory bank conflicts and wavefronts, warp-stall
+  reasons, occupancy, throughputs (one ``ncu_kernel`` record each); on CPU the profiled program
+  runs alone (a rehearsal);
 - ``plots``: ``attention.png`` and ``model_step.png`` (``bench.plot``).
 
 Every step but ``plots`` records the autotuner's winning config (and every config's time) for each
@@ -49,6 +53,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,15 +69,16 @@ import torch
 from bench import (attention, campaign_report, cases, generation, gpu_check, memory_reuse, model_step, plot,
                    runner, source_tree)
 from bench.compiler import pinned_configs
+from bench.compiler.pinned_configs import TIMEOUT_MARK
 from xlnet_fast.kernel_contract import contract
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS_FILE, LOG_FILE, SUMMARY_FILE = "campaign.jsonl", "campaign.log", "summary.md"
 ATTENTION_PLOT, MODEL_PLOT = "attention.png", "model_step.png"
 OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, MODEL_PLOT)
-STEPS = ("env", "correctness", "sweep", "model_step", "memory", "plots")
+STEPS = ("env", "correctness", "sweep", "model_step", "memory", "ncu", "plots")
 # Shares of the budget; "plots" runs at the end in the time kept back (RESERVE_*).
-WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "model_step": 0.18, "memory": 0.12}
+WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "model_step": 0.18, "memory": 0.12, "ncu": 0.3}
 RESERVE_FRACTION, RESERVE_MAX_S = 0.04, 20.0
 MIN_STEP_S = 2.0  # a step whose share is below this is not started (a cut record says so)
 # A step still running this long after its share is killed: max(GRACE_MIN_S, GRACE_FRACTION x share).
@@ -96,12 +102,34 @@ GPU_TESTS = ("tests/test_triton_kernels.py", "tests/test_fa2_reference.py",
 # a realistic shape after the suite.
 PYTEST_CONFIGS = ("64x64w4s1", "32x32w4s1")
 PYTEST_SHARE = 0.5  # of the correctness step's time, the suite's (the float64 checks get the rest)
+# One test past this (its compiles included) fails as a timeout and the suite goes on
+# (pinned_configs.TIMEOUT_ENV); at most half the suite's share, so that one hang cannot take all of it.
+PER_TEST_TIMEOUT_S = 120.0
 SWEEP_MODES = ("fwd", "fwd_bwd")
 # In the order they are measured at each shape: the headline comparison first, FlexAttention (the
 # slowest to compile: one graph per shape and mode) last, so a cut at the step's end costs it first.
 GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "hf", "xlnet_fast_det", "fa2_ref", "flex")
 # Profiled per kernel at each D's first point (the first GPU run's most telling measurement).
 PROFILED = ("xlnet_fast", "xlnet_fast_det", "fa2_ref")
+# The ncu step: Nsight Compute (clocks left alone) on the attention kernels, ours and the FA2
+# reference's, one forward+backward each after a warm-up (bench.attention --ncu), with the sections
+# the H100's runbook read, the shared-memory bank conflicts and wavefronts (what the compile report's
+# smem B-eq/score models) and the warp-stall reasons (WarpStateStats), printed as CSV and recorded.
+NCU_KERNELS = "regex:_(fwd|bwd_q|bwd_kv)_kernel|_fa2_"
+NCU_SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+NCU_METRICS = ("l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+               "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+               "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+               "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum", "smsp__inst_executed.sum")
+# recorded from ncu's raw page besides NCU_METRICS and every warp-stall ratio
+NCU_RECORDED = ("gpu__time_duration.sum", "launch__registers_per_thread", "launch__block_size", "launch__grid_size",
+                "launch__shared_mem_per_block_dynamic", "launch__occupancy_limit_registers",
+                "launch__occupancy_limit_shared_mem", "sm__warps_active.avg.pct_of_peak_sustained_active",
+                "l1tex__throughput.avg.pct_of_peak_sustained_active",
+                "smsp__issue_active.avg.pct_of_peak_sustained_active",
+                "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+                "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                "smsp__warps_eligible.avg.per_cycle_active", "smsp__average_warp_latency_per_inst_issued.ratio")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,6 +174,12 @@ class Plan:
     memory_tgt_len: int = 128
     generation_lengths: tuple = (512, 1024, 2048, 3800)
     generation_new_tokens: int = 64
+    # ncu: the shape (B, H, qlen, mlen, D, dtype) and the runs: (name, configs the kernels are pinned
+    # to or None for the autotuner's picks, providers); 64x64w4s1 is what the suite pins and what
+    # the H100's Nsight Compute file holds
+    ncu_case: tuple = (32, 16, 512, 384, 64, "bf16")
+    ncu_runs: tuple = (("pinned_64x64w4s1", ("64x64w4s1",), ("xlnet_fast", "fa2_ref")),
+                       ("autotuned", None, ("xlnet_fast",)))
 
     def sweep_cases(self) -> list:
         """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
@@ -174,8 +208,9 @@ PLANS = {
         sweep_D=(16,), sweep_points=((16, 8),), sweep_H=2, sweep_tokens=16, sweep_dtype="fp32",
         providers=("xlnet_fast", "sdpa_flash", "hf", "eager", "xlnet_fast_det", "fa2_ref", "flex"),
         models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
-        model_repeats=1, infer_B=1, model_providers=("hf", "patched", "native"), memory_size="tiny", memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8,
-        generation_lengths=(24,), generation_new_tokens=4),
+        model_repeats=1, infer_B=1, model_providers=("hf", "patched", "native"), memory_size="tiny",
+        memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8, generation_lengths=(24,),
+        generation_new_tokens=4, ncu_case=(1, 2, 16, 8, 16, "fp32")),
 }
 
 
@@ -342,33 +377,48 @@ _CLOSING_LINE = re.compile(r"^=+ (.+?) in [\d.]+s")
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
 _OUTCOME = {"PASSED": "passed", "FAILED": "failed", "SKIPPED": "skipped", "ERROR": "errors", "XFAIL": "xfailed",
             "XPASS": "xpassed"}
+_WORDS = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+# -v lines: "path::test OUTCOME [ 10%]", or under pytest-xdist "[gw0] [ 10%] OUTCOME path::test"
+_VERBOSE = (re.compile(rf"^(\S+::\S+)\s+({_WORDS})\b"),
+            re.compile(rf"^\[gw\d+\]\s+\[\s*\d+%\]\s+({_WORDS})\s+(\S+::\S+)"))
+
+
+def _test_id(nodeid: str) -> str:
+    """A test id relative to the repository (pytest prints it relative to its working directory)."""
+    return nodeid[nodeid.index("tests/"):] if "tests/" in nodeid else nodeid
 
 
 def parse_pytest(lines: list) -> dict:
     """Counts (``passed``, ``failed``, ``skipped``, ``errors``...) from pytest's closing line, or
-    counted from the ``-v`` lines when it has none (stopped early), and the failed tests' ids."""
-    counts, closing = {}, None
+    counted from the ``-v`` lines when it has none (stopped early); every test's outcome by id
+    (``tests``, from the ``-v`` lines: also when the run was stopped before its summary), the
+    failed ones (``failed_tests``: from ``-rfE``'s summary and the ``-v`` lines) and those that
+    failed by the per-test timeout (``timed_out_tests``)."""
+    counts, closing, tests, failed, timed_out = {}, None, {}, set(), set()
     for line in lines:
-        m = _CLOSING_LINE.match(line.strip())
+        stripped = line.strip()
+        m = _CLOSING_LINE.match(stripped)
         closing = m.group(1) if m else closing
+        plain, xdist = (pattern.match(stripped) for pattern in _VERBOSE)
+        if plain or xdist:
+            nodeid, word = (plain.group(1), plain.group(2)) if plain else (xdist.group(2), xdist.group(1))
+            tests[_test_id(nodeid)] = _OUTCOME[word]
+        summary = re.match(r"^(FAILED|ERROR) (\S+::\S+)", stripped)
+        if summary:
+            failed.add(_test_id(summary.group(2)))
+            if TIMEOUT_MARK in stripped:
+                timed_out.add(_test_id(summary.group(2)))
     for n, what in _COUNT.findall(closing or ""):
         what = {"error": "errors", "warning": "warnings"}.get(what, what)
         counts[what] = counts.get(what, 0) + int(n)
     if closing is None:
-        for line in lines:
-            m = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line) if "::" in line else None
-            if m:
-                counts[_OUTCOME[m.group(1)]] = counts.get(_OUTCOME[m.group(1)], 0) + 1
-    failed = sorted({line.split()[1] for line in lines if re.match(r"^(FAILED|ERROR) \S+::", line)})
-    # the tests only a GPU runs (named *_on_gpu, tests/test_campaign.py checks it): the record names
-    # each with its outcome, from the -v lines
-    gpu_only = {}
-    for line in lines:
-        test = re.search(r"\S+::\S*_on_gpu\S*", line)
-        outcome = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)\b", line)
-        if test and outcome:
-            gpu_only[test.group(0)] = _OUTCOME[outcome.group(1)]
-    return {"counts": counts, "closing_line": closing, "failed_tests": failed, "gpu_only_tests": gpu_only}
+        for outcome in tests.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+    failed |= {name for name, outcome in tests.items() if outcome in ("failed", "errors")}
+    # the tests only a GPU runs (named *_on_gpu, tests/test_campaign.py checks it) with their outcome
+    gpu_only = {name: outcome for name, outcome in tests.items() if "_on_gpu" in name}
+    return {"counts": counts, "closing_line": closing, "failed_tests": sorted(failed),
+            "timed_out_tests": sorted(timed_out), "tests": dict(sorted(tests.items())), "gpu_only_tests": gpu_only}
 
 
 def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
@@ -387,7 +437,9 @@ def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
     pinned = ",".join(PYTEST_CONFIGS) if r.device == "cuda" else None
     if pinned:
         env[pinned_configs.ENV] = pinned
-    r.log(f"pytest (up to {timeout_s:.0f} s): {' '.join(cmd[cmd.index('--rootdir') + 2:])}")
+    per_test = round(min(PER_TEST_TIMEOUT_S, max(timeout_s * 0.5, 1.0)), 1)
+    env[pinned_configs.TIMEOUT_ENV] = str(per_test)
+    r.log(f"pytest (up to {timeout_s:.0f} s, {per_test:g} s a test): {' '.join(cmd[cmd.index('--rootdir') + 2:])}")
     lines: list = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="campaign_pytest_") as cwd:  # .hypothesis and the like land here
@@ -410,7 +462,7 @@ def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
         reader.join(timeout=10)
     result = parse_pytest(lines)
     result.update(returncode=returncode, seconds=round(time.time() - t0, 1), targets=list(plan.pytest_targets),
-                  k=plan.pytest_k, command=" ".join(cmd[1:]), pinned_config=pinned)
+                  k=plan.pytest_k, command=" ".join(cmd[1:]), pinned_config=pinned, per_test_timeout_s=per_test)
     if stopped:
         result.update(status="cut", reason=f"stopped after {timeout_s:.0f} s (its share of the budget)")
     elif returncode not in (0, 5) or result["counts"].get("failed") or result["counts"].get("errors"):
@@ -557,8 +609,115 @@ def step_memory(r: Reporter, plan: Plan) -> None:
     _free(r.device)
 
 
+def ncu_command(plan: Plan, configs, providers) -> tuple:
+    """(ncu's arguments, the profiled program's arguments) of one ncu run."""
+    B, H, qlen, mlen, D, dtype = plan.ncu_case
+    target = ["-m", "bench.attention", "--qlens", str(qlen), "--mlens", str(mlen), "--B", str(B), "--H", str(H),
+              "--D", str(D), "--dtypes", dtype, "--modes", "fwd_bwd", "--providers", *providers, "--ncu",
+              "--no-record"] + (["--configs", *configs] if configs else [])
+    ncu = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--kernel-name", NCU_KERNELS, "--csv",
+           "--page", "raw", *[x for section in NCU_SECTIONS for x in ("--section", section)], "--metrics",
+           ",".join(NCU_METRICS)]
+    return ncu, target
+
+
+def _number(text: str):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return text or None
+
+
+def parse_ncu_csv(lines: list) -> list:
+    """One dict per profiled kernel from ``ncu --csv --page raw``'s output (other lines skipped):
+    ``kernel``, ``stalls`` ({reason: warps stalled per issued instruction}, the largest first) and
+    the metrics of NCU_METRICS and NCU_RECORDED ({name: [value, unit]})."""
+    import csv
+
+    rows = [line for line in lines if line.startswith('"')]
+    if not rows:
+        return []
+    table = list(csv.reader(rows))
+    header, units = table[0], table[1] if len(table) > 1 and not table[1][0] else [""] * len(table[0])
+    out = []
+    for row in table[1:]:
+        if not row or not row[0] or not row[0].isdigit():
+            continue
+        values = dict(zip(header, row))
+        unit = dict(zip(header, units))
+        stalls = {}  # WarpStateStats: smsp__average_warp{s,_latency}_issue_stalled_<reason>[_per_issue_active]
+        for name, value in values.items():
+            found = re.match(r"smsp__average_warps?(?:_latency)?_issue_stalled_(\w+?)(?:_per_issue_active)?\.\w+$",
+                             name)
+            if found and isinstance(_number(value), float):
+                stalls[found.group(1)] = _number(value)
+        out.append({"kernel": values.get("Kernel Name"), "stalls": dict(sorted(stalls.items(), key=lambda kv: -kv[1])),
+                    "metrics": {name: [_number(values[name]), unit.get(name)] for name in NCU_METRICS + NCU_RECORDED
+                                if name in values}})
+    return out
+
+
+def step_ncu(r: Reporter, plan: Plan) -> None:
+    """Nsight Compute on the attention kernels, ours and the reference's (``Plan.ncu_runs``): one
+    ``ncu_kernel`` record per profiled kernel (bank conflicts, wavefronts, stall reasons, occupancy),
+    ncu's whole output in the log. Without CUDA or ncu the profiled program runs alone (a rehearsal)."""
+    import shutil
+
+    found = shutil.which("ncu") or next((p for p in ("/usr/local/cuda/bin/ncu",) if os.path.exists(p)), None)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    for name, configs, providers in r.each(list(plan.ncu_runs), lambda x: x[0], "ncu_run"):
+        ncu, target = ncu_command(plan, configs, providers)
+        profiled = r.device == "cuda" and found is not None
+        cmd = ([found, *ncu[1:]] if profiled else []) + [sys.executable, *target]
+        fields = {"run_name": name, "configs": list(configs) if configs else None, "providers": list(providers),
+                  "command": shlex.join(ncu + ["python3", *target])}
+
+        def run():
+            lines = _run_group(r, cmd, env, r.left())
+            kernels = parse_ncu_csv(lines) if profiled else []
+            for kernel in kernels:
+                r.emit("ncu_kernel", run_name=name, **kernel)
+            if not profiled:
+                why = "needs CUDA and Nsight Compute (ncu)" if r.device != "cuda" else "ncu was not found"
+                return {"status": "skipped", "reason": f"{why}: the profiled program ran without it",
+                        "program_lines": [line for line in lines if "profiled once" in line]}
+            return {"kernels": [k["kernel"] for k in kernels]} if kernels else {
+                "status": "error", "error": "ncu profiled no kernel (its output is in the log)"}
+
+        r.attempt("ncu_run", run, **fields)
+
+
+def _run_group(r: Reporter, cmd: list, env: dict, timeout_s: float) -> list:
+    """``cmd``'s output lines (to the log), in a process group of its own that the campaign kills
+    with the step; stopped after ``timeout_s`` (TimeoutError), a failure (RuntimeError)."""
+    r.log(f"running (up to {timeout_s:.0f} s): {shlex.join(cmd)}")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    r.line(f"{GROUP_PREFIX}{proc.pid}")
+    lines: list = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            r.log(lines[-1], console=False)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        returncode = proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(timeout=10)
+        raise TimeoutError(f"stopped after {timeout_s:.0f} s (the step's share of the budget)") from None
+    reader.join(timeout=10)
+    if returncode != 0:
+        raise RuntimeError(f"exit status {returncode}: " + " | ".join(lines[-5:]))
+    return lines
+
+
 STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep,
-                  "model_step": step_model_step, "memory": step_memory}
+                  "model_step": step_model_step, "memory": step_memory, "ncu": step_ncu}
 
 
 def child_main(args) -> int:

@@ -122,6 +122,37 @@ def profile_section(records, compact: bool = False) -> list:
     return out
 
 
+def ncu_section(records) -> list:
+    """Per kernel profiled by the ``ncu`` step: time, shared-memory bank conflicts against the
+    wavefronts (ld/st), occupancy, L1 and issue utilisation, the three largest stall reasons."""
+    recs = _ok(records, "ncu_kernel")
+    if not recs:
+        return ["No Nsight Compute record (the ncu step needs CUDA and ncu)."]
+
+    def metric(r, name):
+        value = r["metrics"].get(name, [None])[0]
+        return value if isinstance(value, float) else None
+
+    def share(r, op):
+        conflicts = metric(r, f"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{op}.sum")
+        fronts = metric(r, f"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_{op}.sum")
+        return "-" if conflicts is None or not fronts else f"{conflicts:,.0f} / {fronts:,.0f}"
+
+    def cell(r, name, digits=3):
+        value = metric(r, name)
+        return "-" if value is None else _fmt(value, digits)
+
+    return _table(["run", "kernel", "time", "regs", "bank conflicts / wavefronts, ld", "... st", "warps active %",
+                   "L1/TEX %", "issue active %", "top stalls (warps per issued instruction)"],
+                  [[r["run_name"], r["kernel"], cell(r, "gpu__time_duration.sum") + " "
+                    + (r["metrics"].get("gpu__time_duration.sum", [None, ""])[1] or ""),
+                    cell(r, "launch__registers_per_thread"), share(r, "ld"), share(r, "st"),
+                    cell(r, "sm__warps_active.avg.pct_of_peak_sustained_active"),
+                    cell(r, "l1tex__throughput.avg.pct_of_peak_sustained_active"),
+                    cell(r, "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+                    ", ".join(f"{k} {v:.2f}" for k, v in list(r["stalls"].items())[:3])] for r in recs])
+
+
 def targets_section(records) -> list:
     """The GPU targets of docs/DESIGN.md §6, each met or missed with the measured ratio."""
     lines = []
@@ -168,7 +199,8 @@ def correctness_section(records) -> list:
         counts = ", ".join(f"{n} {k}" for k, n in sorted(r.get("counts", {}).items()))
         lines.append(f"- pytest ({r['status']}): {counts or r.get('reason') or r.get('error', '')}"
                      + (f", kernels pinned to {r['pinned_config']}" if r.get("pinned_config") else "")
-                     + (f"; failed: {', '.join(r['failed_tests'])}" if r.get("failed_tests") else ""))
+                     + (f"; failed: {', '.join(r['failed_tests'])}" if r.get("failed_tests") else "")
+                     + (f"; timed out: {', '.join(r['timed_out_tests'])}" if r.get("timed_out_tests") else ""))
     checks = [r for r in records if r.get("op") == "xlnet_attn_check" and "rel_err_out" in r]
     if checks:
         lines += [""] + _table(
@@ -287,6 +319,7 @@ def summary_markdown(records, notes=(), title: str = "GPU campaign", compact: bo
     sections = [("Environment and ceilings", environment_section), ("Steps", steps_section),
                 ("Correctness", correctness_section), ("Attention", attention_section),
                 ("Where the GPU time goes", lambda recs: profile_section(recs, compact)),
+                ("Nsight Compute", ncu_section),
                 ("Targets (docs/DESIGN.md §6)", targets_section), ("Model: training step and inference", model_section),
                 ("Memory: evaluation and generation (Transformer-XL, XLNet)", memory_section),
                 ("Autotuner's choices", lambda recs: autotune_section(recs, compact)),

@@ -58,6 +58,11 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     # correctness: the test suite in a subprocess, the float64 check
     [tests] = by(records, op="pytest")
     assert tests["status"] == "ok" and tests["counts"]["passed"] == 1 and tests["returncode"] == 0
+    # each test named with its outcome, relative to the repository, and the per-test timeout it ran under
+    [(name, outcome)] = tests["tests"].items()
+    assert name.startswith("tests/test_triton_kernels.py::test_head_dims_past_the_kernels_limit")
+    assert outcome == "passed"
+    assert tests["failed_tests"] == [] and 0 < tests["per_test_timeout_s"] <= campaign.PER_TEST_TIMEOUT_S
     [check] = by(records, op="xlnet_attn_check", status="ok")
     assert check["within_tolerance"] and check["deterministic"] and 0 < check["rel_err_out"] < 1e-2
     [each_config] = by(records, op="xlnet_attn_check", status="skipped")  # no autotuner in the interpreter
@@ -88,6 +93,17 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     gen = by(records, op="generation", status="ok")
     assert sorted(r["model"] for r in gen) == ["transfo-xl", "xlnet"]
     assert [r["same_tokens"] for r in gen if r["model"] == "transfo-xl"] == [True]
+    # ncu: no CUDA and no Nsight Compute here; the profiled program ran (one warm-up and one call per
+    # provider) and the record holds the command a GPU would run
+    runs = by(records, op="ncu_run")
+    assert [(r["run_name"], r["status"]) for r in runs] == [(name, "skipped") for name, _, _ in
+                                                           campaign.PLANS["dry"].ncu_runs]
+    for r in runs:
+        assert r["reason"].startswith("needs CUDA and Nsight Compute")
+        assert [line.split()[-3] for line in r["program_lines"]] == r["providers"]  # "... PROVIDER profiled once"
+        for needed in (*campaign.NCU_METRICS[:2], "WarpStateStats", "--clock-control none", "--profile-from-start off",
+                       "--ncu"):
+            assert needed in r["command"]
     for name in ("attention.png", "model_step.png"):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     # the summary printed last is the one written
@@ -185,16 +201,74 @@ def test_refuses_a_folder_holding_another_runs_files_bad_arguments_and_no_gpu(tm
 
 
 def test_pytest_output_is_counted_from_the_closing_line_or_the_test_lines():
-    closing = ["tests/test_a.py::test_x PASSED", "FAILED tests/test_a.py::test_y - AssertionError: no",
+    closing = ["tests/test_a.py::test_x PASSED                    [ 50%]",
+               "FAILED tests/test_a.py::test_y - AssertionError: no",
                "ERROR tests/test_b.py::test_z - RuntimeError",
-               "=== 1 failed, 10 passed, 2 skipped, 1 error in 3.21s ==="]
+               f"FAILED tests/test_b.py::test_slow[a-1] - Failed: {pinned_configs.TIMEOUT_MARK}: ran past 9 s",
+               "=== 2 failed, 10 passed, 2 skipped, 1 error in 3.21s ==="]
     got = campaign.parse_pytest(closing)
-    assert got["counts"] == {"failed": 1, "passed": 10, "skipped": 2, "errors": 1}
-    assert got["failed_tests"] == ["tests/test_a.py::test_y", "tests/test_b.py::test_z"]
-    stopped = ["[gw0] [ 10%] PASSED tests/test_a.py::test_x", "[gw1] [ 20%] FAILED tests/test_a.py::test_y",
+    assert got["counts"] == {"failed": 2, "passed": 10, "skipped": 2, "errors": 1}
+    assert got["failed_tests"] == ["tests/test_a.py::test_y", "tests/test_b.py::test_slow[a-1]",
+                                   "tests/test_b.py::test_z"]
+    assert got["timed_out_tests"] == ["tests/test_b.py::test_slow[a-1]"]
+    assert got["tests"] == {"tests/test_a.py::test_x": "passed"}
+    # stopped before pytest's summary (the H200's second run: a failure under xdist, never named):
+    # the -v lines name every test that finished, the failed ones among them
+    stopped = ["[gw0] [ 10%] PASSED tests/test_a.py::test_x",
+               "[gw1] [ 20%] FAILED ../../repo/tests/test_a.py::test_y[16-16]",
                "[gw0] [ 30%] SKIPPED tests/test_a.py::test_z", "[gw1] [ 40%] PASSED tests/test_a.py::test_w"]
     got = campaign.parse_pytest(stopped)
     assert got["closing_line"] is None and got["counts"] == {"passed": 2, "failed": 1, "skipped": 1}
+    assert got["failed_tests"] == ["tests/test_a.py::test_y[16-16]"]
+    assert got["tests"] == {"tests/test_a.py::test_w": "passed", "tests/test_a.py::test_x": "passed",
+                            "tests/test_a.py::test_y[16-16]": "failed", "tests/test_a.py::test_z": "skipped"}
+
+
+def test_a_test_past_its_timeout_fails_by_name_and_the_suite_goes_on(tmp_path):
+    """The campaign's plugin (``-p bench.compiler.pinned_configs``) with ``$BENCH_TEST_TIMEOUT_S``:
+    a hanging test fails with the timeout's mark, the next one still runs, and the record names both."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_hang.py").write_text(
+        "import time\n\ndef test_hangs():\n    time.sleep(60)\n\ndef test_after():\n    assert True\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env[pinned_configs.TIMEOUT_ENV] = "1"
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-p",
+                           "bench.compiler.pinned_configs", "tests/test_hang.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert time.time() - t0 < 50, "the timeout did not stop the hanging test"
+    got = campaign.parse_pytest(proc.stdout.splitlines())
+    assert got["tests"] == {"tests/test_hang.py::test_after": "passed", "tests/test_hang.py::test_hangs": "failed"}
+    assert got["timed_out_tests"] == ["tests/test_hang.py::test_hangs"] and got["counts"]["failed"] == 1
+
+
+def test_ncu_csv_is_read_into_one_record_per_kernel():
+    """``ncu --csv --page raw`` as it prints (a header, a units row, one row per kernel, the profiled
+    program's own lines between): the bank conflicts, wavefronts and each stall reason per kernel."""
+    header = ['"ID"', '"Process ID"', '"Kernel Name"', '"gpu__time_duration.sum"',
+              '"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"',
+              '"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"',
+              '"smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio"',
+              '"smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio"', '"launch__registers_per_thread"',
+              '"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"']
+    lines = ["==PROF== Connected to process 1", "bf16 D=64 ... xlnet_fast     profiled once", ",".join(header),
+             '"","","","usecond","","","","","register/thread",""',
+             '"0","1","_fwd_kernel","878.75","1,234,567","89","3.50","0.25","228","2,469,134"',
+             '"1","1","_fa2_fwd","206.59","0","0","0.40","0.60","125","1,000"', "==PROF== Disconnected from process 1"]
+    fwd, ref = campaign.parse_ncu_csv(lines)
+    assert fwd["kernel"] == "_fwd_kernel" and ref["kernel"] == "_fa2_fwd"
+    assert fwd["metrics"]["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"] == [1234567.0, ""]
+    assert fwd["metrics"]["gpu__time_duration.sum"] == [878.75, "usecond"]
+    assert fwd["metrics"]["launch__registers_per_thread"] == [228.0, "register/thread"]
+    assert list(fwd["stalls"].items()) == [("short_scoreboard", 3.5), ("barrier", 0.25)]
+    assert list(ref["stalls"]) == ["barrier", "short_scoreboard"]  # the largest first
+    assert campaign.parse_ncu_csv(["==PROF== nothing profiled"]) == []
+    # and in the summary: the conflicts against the wavefronts, the largest stalls
+    records = [{"run": "r", "step": "ncu", "t": 1.0, "device": "x", "op": "ncu_kernel", "status": "ok",
+                "run_name": "pinned_64x64w4s1", **kernel} for kernel in (fwd, ref)]
+    text = campaign_report.summary_markdown(records)
+    assert "| pinned_64x64w4s1 | _fwd_kernel | 879 usecond | 228 | 1,234,567 / 2,469,134 | - |" in text
+    assert "short_scoreboard 3.50, barrier 0.25" in text
 
 
 def test_gpu_only_tests_are_named_in_the_record_with_their_outcome():

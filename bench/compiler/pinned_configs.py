@@ -16,6 +16,8 @@ import contextlib
 import os
 
 ENV = "BENCH_PINNED_CONFIGS"
+TIMEOUT_ENV = "BENCH_TEST_TIMEOUT_S"
+TIMEOUT_MARK = "per-test timeout"
 TUNED_KERNELS = ("fwd_kernel_tuned", "bwd_kv_kernel_tuned", "bwd_q_kernel_tuned")
 
 
@@ -93,6 +95,38 @@ def pytest_configure(config):  # noqa: ARG001 - pytest's hook signature
 
     if torch.cuda.is_available() and not contract.interpreting():
         _pin(names.split(","))
+
+
+def _timeout_s() -> float | None:
+    value = os.environ.get(TIMEOUT_ENV)
+    return float(value) if value else None
+
+
+try:
+    import pytest
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        """Fail the test if its body runs past ``$BENCH_TEST_TIMEOUT_S`` seconds."""
+        import signal
+
+        seconds = _timeout_s()
+        if not seconds or not hasattr(signal, "SIGALRM"):
+            yield
+            return
+
+        def expire(signum, frame):  # noqa: ARG001 - signal handler signature
+            pytest.fail(f"{TIMEOUT_MARK}: {item.nodeid} ran past {seconds:g} s", pytrace=False)
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+except ImportError:  # imported outside a test run (the campaign itself)
+    pass
 
 
 class TuningLog:
