@@ -722,7 +722,6 @@ STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": ste
 
 def child_main(args) -> int:
     """Run one step in this process, reporting on stdout."""
-    source_tree.ensure_kernels_importable()
     mode = _mode(args)
     device = "cuda" if mode != "dry" and torch.cuda.is_available() else "cpu"
     r = Reporter(args.deadline, device, {**runner.environment(), **({"device": "cpu"} if device == "cpu" else {})})

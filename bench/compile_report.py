@@ -201,9 +201,6 @@ def main(argv=None) -> int:
         return max(main([*run, "--jobs", str(args.jobs)]) for run in RECORD_ALL)
     # the kernels must be decorated in compiled mode: before xlnet_fast.kernels is first imported
     os.environ["TRITON_INTERPRET"] = "0"
-    import bench.source_tree
-
-    bench.source_tree.ensure_kernels_importable()  # a checkout that is not pip-installed (CI: the wheel's own)
     problems = {arch: aot.toolchain_problem(arch) for arch in args.arch}
     if any(problems.values()):
         for arch, problem in problems.items():

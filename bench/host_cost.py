@@ -228,12 +228,10 @@ def main(argv=None) -> int:
                              "TRITON_INTERPRET=1")
     from bench.compiler import aot
     from bench.compiler.fake_gpu import fake_gpu
-    from bench.source_tree import ensure_kernels_importable
 
     problem = aot.toolchain_problem(args.arch)
     if problem:
         return runner.refuse(f"bench.host_cost compiles for sm_{args.arch}: {problem}")
-    ensure_kernels_importable()
     _heap_allocations()
     records = []
     with fake_gpu(args.arch, keep_args=False) as gpu, _triton_on(args.device):

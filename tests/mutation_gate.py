@@ -123,9 +123,9 @@ MUTATIONS = (
              "key = str(exc).split(' ', 1)[0]",
              (f"{PATCH}::test_each_kind_of_rejection_is_warned_once",),
              "two kinds of rejection share one fallback warning"),
-    Mutation("op_saves_scores", "xlnet_fast/attention/op.py", "ctx.save_for_backward(*dense,",
+    Mutation("op_saves_scores", "xlnet_fast/attention/op.py", "ctx.save_for_backward(*dense, r_s_bias,",
              "ctx.save_for_backward(out.new_zeros(out.shape[0], out.shape[2], out.shape[1], dense[1].shape[1]), "
-             "*dense,",
+             "*dense, r_s_bias,",
              (f"{TRITON_MODELS}::test_the_op_keeps_o_of_l_for_backward",),
              "the op keeps an M x K tensor (the probabilities) for its backward"),
     Mutation("forced_backend_falls_back", "xlnet_fast/attention/backends.py",

@@ -329,7 +329,9 @@ def smem_traffic(launch: aot.Launch, arch: int, ptx: str, threads: int, scores: 
     iteration per score (``sass.smem_traffic``: the PTX's lane addresses; the skew's gather placed
     by the launch's own row tables), averaged over ``sampled_programs``; by kind of access (lds/sts,
     ldsm/stsm, ldgsts, the MMA's operand reads: [B/score, B-eq/score]); ``unresolved``: accesses
-    whose addresses were not all known (counted conflict-free)."""
+    whose addresses were not all known (counted conflict-free). When no sampled CTA enters the key
+    loop (a FIX_UP launch whose captured masks give it nothing to do) there is no iteration to
+    measure: the figures are None and ``not_reached`` says why."""
     try:
         values, memory = aot.lane_inputs(launch, arch)
         found = sass.smem_traffic(ptx, values, memory, threads, sampled_programs(aot.grid_size(launch)))
@@ -337,6 +339,10 @@ def smem_traffic(launch: aot.Launch, arch: int, ptx: str, threads: int, scores: 
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "bytes_per_score": None, "beq_per_score": None}
     if found is None:
         return None
+    if not found["reached"]:
+        return {"bytes_per_score": None, "beq_per_score": None, "by_kind": {}, "unresolved": 0,
+                "not_reached": f"none of the {len(sampled_programs(aot.grid_size(launch)))} sampled CTAs enters "
+                               "the key loop at the captured launch"}
     return {"bytes_per_score": round(found["bytes"] / scores, 2),
             "beq_per_score": round(128 * found["wavefronts"] / scores, 2),
             "by_kind": {k: [round(b / scores, 2), round(128 * w / scores, 2)]

@@ -842,7 +842,9 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     """The key loop's shared-memory accesses, one iteration, averaged over ``programs`` (CTA ids):
     ``{"bytes", "wavefronts", "unresolved", "by_kind": {kind: [bytes, wavefronts]}}`` per CTA.
     ``param_values``: {PTX parameter index: (value, known)}; ``memory(address, known, width)``:
-    (values, known) of a global load. None without a key loop."""
+    (values, known) of a global load; ``reached``: how many of ``programs`` enter the key loop (a
+    program that returns first, e.g. a FIX_UP launch's without work, adds nothing). None without a
+    key loop."""
     import numpy as np
 
     ops, labels, params = parse_ptx(text)
@@ -857,8 +859,9 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     order, back = _topological(successors, idom)
     last_needed = max(order.index(b) for b in key.blocks)
     named = {name: param_values.get(i, (0, False)) for i, (name, _) in enumerate(params)}
-    found = {"bytes": 0, "wavefronts": 0, "unresolved": 0, "by_kind": {}}
+    found = {"bytes": 0, "wavefronts": 0, "unresolved": 0, "by_kind": {}, "reached": 0}
     for ctaid, nctaid in programs:
+        entered = False
         state = _Threads(threads, ctaid, nctaid, named, memory)
         masks = {0: np.ones(threads, bool)}
         for node in order[:last_needed + 1]:
@@ -874,6 +877,7 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
                 if instruction.base in _ENDS_BLOCK:
                     continue
                 if node in key.blocks:
+                    entered = entered or bool(run.any())
                     access = _smem_access(state, op, run)
                     if access:
                         found["bytes"] += access["bytes"]
@@ -903,6 +907,8 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
                 none = np.zeros(threads, bool)
                 edge = (taken if is_target else none) | (fall if is_next else none) if (is_target or is_next) else active
                 masks[child] = masks.get(child, np.zeros(threads, bool)) | edge
+        found["reached"] += entered
     n = len(programs)
     return {"bytes": found["bytes"] / n, "wavefronts": found["wavefronts"] / n, "unresolved": found["unresolved"],
-            "by_kind": {k: [b / n, w / n] for k, (b, w) in sorted(found["by_kind"].items())}}
+            "by_kind": {k: [b / n, w / n] for k, (b, w) in sorted(found["by_kind"].items())},
+            "reached": found["reached"]}
