@@ -47,7 +47,7 @@ def build_model(kind: str, size: str, device: str, dtype: torch.dtype, mem_len: 
     torch.manual_seed(0)
     if kind == "transfo-xl":
         config = xlnet_fast.TransfoXLConfig(**TRANSFO_XL_SIZES[size], dropout=0.0, dropatt=0.0, mem_len=mem_len,
-                                            same_length=False, clamp_len=-1)
+                                            same_length=False, clamp_len=-1, mem_start="empty")  # the paper's
         model = xlnet_fast.TransfoXLLMHeadModel(config)
     else:
         dims = XLNET_SIZES[size]

@@ -6,6 +6,8 @@ transformers' logits warpers, end of sequence, bad arguments."""
 import pytest
 import torch
 from helpers.compare import rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers.models import token_ids, twins
 from helpers.transfo_xl import SMALL, hf4_config, layout_state, reference_forward, reference_log_probs
 
@@ -17,10 +19,11 @@ V = SMALL["vocab_size"]
 
 
 def txl(seed=0, **fields):
-    """(model, config dict, state): a small Transformer-XL with weights in 4.x's layout."""
+    """(model, config dict, state): a small Transformer-XL with weights in 4.x's layout, starting from
+    the original code's empty memory (the start these tests were written for)."""
     c = hf4_config(**dict(SMALL, **fields))
     state = layout_state(c, seed=seed, std=0.5)
-    model = TransfoXLLMHeadModel(TransfoXLConfig(**c, attn_backend="eager")).eval()
+    model = TransfoXLLMHeadModel(TransfoXLConfig(**c, attn_backend="eager", mem_start="empty")).eval()
     model.load_hf_state_dict(state)
     return model, c, state
 
@@ -168,3 +171,180 @@ def test_bad_generation_arguments_are_named(kwargs, error, message):
         model.generate(prompt(0) + V)
     with pytest.raises(ValueError, match="input_ids must be"):
         model.generate(prompt(0)[:, :0])
+
+
+# --------------------------------------------------------------------------------------------------
+# One meaning of "no memory" (issue 36): forward, evaluation and generate start from init_mems
+# --------------------------------------------------------------------------------------------------
+
+
+def greedy_over_forward(model, x, n, start):
+    """Greedy decoding over the model's own forward: the prompt from ``init_mems(B, start=start)``
+    (``start=None``: the forward's own ``mems=None``), then one token per forward with ``mems`` carried."""
+    with torch.no_grad():
+        out = model(x, mems=None if start is None else model.init_mems(x.shape[0], start=start))
+        seq = x
+        for _ in range(n):
+            token = out.prediction_scores[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, token], 1)
+            out = model(token, mems=out.mems)
+    return seq
+
+
+@settings(max_examples=10, deadline=None)
+@given(div_val=st.sampled_from([1, 2]), same_length=st.booleans(), pre_lnorm=st.booleans(),
+       clamp_len=st.integers(-1, 4), untie_r=st.booleans(), mem_len=st.integers(1, 8),
+       d_embed=st.sampled_from([12, 16]), start=st.sampled_from(["zeros", "empty"]), seed=st.integers(0, 50))
+def test_generate_is_greedy_decoding_over_the_models_own_forward(div_val, same_length, pre_lnorm, clamp_len, untie_r,
+                                                                  mem_len, d_embed, start, seed):
+    """From either start, with mem_len below the final length (3 + 9 tokens), cached and uncached: the
+    tokens of a loop over ``model(...)`` with ``mems`` carried from the forward's own start."""
+    fields = dict(div_val=div_val, same_length=same_length, pre_lnorm=pre_lnorm, clamp_len=clamp_len, untie_r=untie_r,
+                  mem_len=mem_len, d_embed=16 if div_val == 2 else d_embed)
+    c = hf4_config(**dict(SMALL, **fields))
+    model = TransfoXLLMHeadModel(TransfoXLConfig(**c, attn_backend="eager", mem_start=start)).eval()
+    model.load_hf_state_dict(layout_state(c, seed=seed, std=0.5))
+    x = prompt(seed)
+    expected = greedy_over_forward(model, x, 9, start=None)
+    assert torch.equal(model.generate(x, max_new_tokens=9, eos_token_id=None), expected)
+    other = "empty" if start == "zeros" else "zeros"  # the other start, by name
+    assert torch.equal(model.generate(x, max_new_tokens=9, eos_token_id=None, mem_start=other),
+                       greedy_over_forward(model, x, 9, start=other))
+
+
+def test_the_default_start_is_transformers_zero_memory_and_both_starts_differ():
+    model, c, state = txl(seed=6, mem_len=6)
+    model.config.mem_start = "zeros"
+    x = prompt(3)
+    zeros = model.init_mems(2)
+    assert [m.shape for m in zeros] == [(6, 2, c["d_model"])] * c["n_layer"] and all(not m.any() for m in zeros)
+    assert model.init_mems(2, start="empty")[0].shape == (0, 2, c["d_model"])
+    with torch.no_grad():
+        hidden, _, _ = reference_forward(c, state, x)  # the reference's mems=None: 4.x's zeros
+        assert rel_err(model.transformer(x).last_hidden_state, hidden) < 1e-5
+    from_zeros = model.generate(x, max_new_tokens=8, eos_token_id=None)
+    from_empty = model.generate(x, max_new_tokens=8, eos_token_id=None, mem_start="empty")
+    assert not torch.equal(from_zeros, from_empty)  # the start shows in the tokens of this model
+    assert torch.equal(from_zeros, model.generate(x, max_new_tokens=8, eos_token_id=None, mems=zeros))
+    with pytest.raises(ValueError, match="mem_start must be one of"):
+        TransfoXLConfig(**c, mem_start="none")
+    with pytest.raises(ValueError, match="mems= .* or mem_start="):
+        model.generate(x, mems=zeros, mem_start="empty")
+
+
+@pytest.mark.parametrize("start", ["zeros", "empty"])
+def test_evaluation_starts_where_forward_does(start):
+    from xlnet_fast.transfo_xl.evaluate import stream_nll
+
+    model, c, state = txl(seed=7, mem_len=4)
+    model.config.mem_start = start
+    tokens = torch.randint(0, V, (13,), generator=torch.Generator().manual_seed(1))
+    first = stream_nll(model, tokens, tgt_len=5, max_segments=1)  # one row: the first 5 tokens scoring the next
+    with torch.no_grad():
+        loss = model(tokens[None, :6], labels=tokens[None, :6]).losses  # mems=None
+    assert first["tokens"] == 5 and abs(first["loss_sum"] - float(loss.double().sum())) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers' keywords (issue 36)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_transfo_xl_scores_and_return_dict():
+    model, _, _ = txl(seed=8, mem_len=4)
+    x = prompt(5)
+    out = model.generate(x, max_new_tokens=5, eos_token_id=None, num_beams=1, output_scores=True,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(x, max_new_tokens=5, eos_token_id=None))
+    assert out["sequences"] is out.sequences and len(out.scores) == 5
+    with torch.no_grad():  # each step's scores: the log-probabilities of the forward with mems carried
+        step = model(x, mems=model.init_mems(2))
+        for n, scores in enumerate(out.scores):
+            assert scores.shape == (2, V) and scores.dtype == torch.float32
+            assert rel_err(scores, step.prediction_scores[:, -1]) < 1e-5
+            step = model(out.sequences[:, 3 + n:4 + n], mems=step.mems)
+    no_scores = model.generate(x, max_new_tokens=2, return_dict_in_generate=True)
+    assert no_scores.scores is None and no_scores.keys() == ["sequences"]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_xlnet_scores_equal_transformers(seed):
+    hf, ours = twins("XLNetLMHeadModel", seed=seed, mem_len=10, initializer_range=0.5)
+    x = token_ids(2, 4, seed)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    theirs, mine = hf.generate(x, **kwargs), ours.generate(x, **kwargs)
+    assert mine.sequences.tolist() == theirs.sequences.tolist()
+    assert len(mine.scores) == len(theirs.scores) == 6
+    for a, b in zip(mine.scores, theirs.scores):
+        assert a.shape == b.shape and a.dtype == b.dtype and rel_err(a, b) < 1e-5
+
+
+def test_sampled_scores_are_the_warped_ones():
+    """As transformers' ``output_scores`` when sampling: the scores after temperature and top-k."""
+    model, _, _ = txl(seed=9, mem_len=4)
+    x = prompt(6)
+    out = model.generate(x, max_new_tokens=4, eos_token_id=None, do_sample=True, top_k=3, temperature=0.5,
+                         output_scores=True, return_dict_in_generate=True, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        step = model(x, mems=model.init_mems(2))
+        for n, scores in enumerate(out.scores):
+            raw = step.prediction_scores[:, -1]
+            kept = torch.isfinite(scores)
+            assert (kept.sum(-1) == 3).all() and torch.equal(kept, raw >= raw.topk(3).values[:, -1:])
+            assert rel_err(scores[kept], raw[kept] / 0.5) < 1e-6
+            assert kept.gather(1, out.sequences[:, 3 + n:4 + n]).all()  # each drawn token was one of them
+            step = model(out.sequences[:, 3 + n:4 + n], mems=step.mems)
+
+
+@pytest.mark.parametrize("make", ["transfo-xl", "xlnet"])
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_beams=2), r"num_beams=2: beam search is not supported"),
+    (dict(num_return_sequences=2), r"does not support the keyword argument\(s\) 'num_return_sequences'"),
+    (dict(max_length=9), r"'max_length' \(pass max_new_tokens"),
+    (dict(mem_lenn=3, foo=1), r"'foo', 'mem_lenn'"),
+])
+def test_unsupported_generate_keywords_are_named(make, kwargs, message):
+    model = txl()[0] if make == "transfo-xl" else twins("XLNetLMHeadModel")[1]
+    x = prompt(0) if make == "transfo-xl" else token_ids(2, 3)
+    with pytest.raises(ValueError, match=message):
+        model.generate(x, max_new_tokens=2, **kwargs)
+    assert torch.equal(model.generate(x, max_new_tokens=2, num_beams=1), model.generate(x, max_new_tokens=2))
+    if make == "xlnet":
+        with pytest.raises(ValueError, match="'mems'"):  # Transformer-XL's keyword, not XLNet's
+            model.generate(x, max_new_tokens=2, mems=None)
+
+
+def _recorded_generation():
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "transfo_xl_generate.json"
+    return [r for r in json.loads(path.read_text()) if r["op"] == "transfo_xl_generate"][-1]
+
+
+def test_greedy_tokens_equal_transformers_4x_recorded_from_both_starts():
+    """transformers 4.46's greedy tokens (``python -m bench.transfo_xl_parity --record`` in a
+    transformers<5 venv; CI has 5.x, which deleted the model) over a grid of config fields with mem_len
+    below the final length: from 4.x's own start (its generate with mems=None) by default, and from
+    the original code's empty memory by name. The weights are rebuilt here from the record's seed."""
+    from bench.transfo_xl_parity import GENERATE_CONFIGS, STARTS, generation_prompt, seeded_model, weights_digest
+
+    record = _recorded_generation()
+    assert record["transformers"].startswith("4.") and record["all_equal"]
+    assert [r["config"] for r in record["results"]] == list(GENERATE_CONFIGS)
+    for r in record["results"]:
+        fields = GENERATE_CONFIGS[r["config"]]
+        assert r["fields"] == fields and fields["mem_len"] < r["new_tokens"] + len(r["prompt"][0])
+        model = seeded_model(fields, r["seed"], attn_backend="eager")
+        assert weights_digest(model) == r["weights_sha256"], (
+            f"{r['config']}: the seeded weights are no longer the record's: re-record with "
+            "`python -m bench.transfo_xl_parity --record` under transformers<5")
+        x = generation_prompt(fields, r["seed"])
+        assert x.tolist() == r["prompt"]
+        theirs = {start: r["tokens"][start]["transformers_4x"] for start in STARTS}
+        assert theirs["zeros"] != theirs["empty"], r["config"]  # the start shows in every configuration
+        assert model.generate(x, max_new_tokens=r["new_tokens"], eos_token_id=None).tolist() == theirs["zeros"]
+        for start in STARTS:
+            mine = model.generate(x, max_new_tokens=r["new_tokens"], eos_token_id=None, mem_start=start)
+            assert mine.tolist() == theirs[start], (r["config"], start)
+            assert torch.equal(mine, greedy_over_forward(model, x, r["new_tokens"], start=start))

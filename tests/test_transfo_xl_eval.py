@@ -14,7 +14,7 @@ TOKENS = torch.randint(0, SMALL["vocab_size"], (41,), generator=torch.Generator(
 def model_and_reference(**fields):
     c = hf4_config(**dict(SMALL, **fields))
     state = layout_state(c, seed=6)
-    model = TransfoXLLMHeadModel(TransfoXLConfig(**c, attn_backend="eager")).eval()
+    model = TransfoXLLMHeadModel(TransfoXLConfig(**c, attn_backend="eager", mem_start="empty")).eval()  # eval.py's
     model.load_hf_state_dict(state)
     return model, c, state
 

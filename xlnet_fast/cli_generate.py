@@ -13,8 +13,12 @@ import json
 import sys
 import time
 
+from .transfo_xl.config import MEM_STARTS
+
 XLNET_ONLY_EVAL_FLAGS = ("seq_len", "reuse_len", "num_predict", "perm_size", "no_verify", "verify_data")
-TRANSFO_XL_EVAL_FLAGS = ("tgt_len", "clamp_len", "same_length")
+TRANSFO_XL_EVAL_FLAGS = ("tgt_len", "clamp_len", "same_length", "mem_start")
+MEM_START_HELP = ("the memory the text starts from: zeros (transformers 4.x's mem_len zero rows) or empty (the "
+                  "original code's) (default: the model's config.mem_start, zeros unless set)")
 DEFAULT_TGT_LEN, DEFAULT_EVAL_ROWS = 128, 10
 
 
@@ -34,6 +38,7 @@ def add_transfo_xl_eval_flags(p: argparse.ArgumentParser) -> None:
                    help="clamp relative distances at N, <= 0: no clamp (default: the model's)")
     g.add_argument("--same-length", action="store_true", dest="same_length", default=None,
                    help="every token attends to the same number of keys, mem_len (default: the model's)")
+    g.add_argument("--mem-start", choices=MEM_STARTS, dest="mem_start", help=MEM_START_HELP)
 
 
 def eval_transfo_xl(args: argparse.Namespace) -> int:
@@ -47,9 +52,31 @@ def eval_transfo_xl(args: argparse.Namespace) -> int:
                          "Transformer-XL is evaluated with --tgt-len, --mem-len, --clamp-len, --same-length")
     result = evaluate_transfo_xl_dir(
         args.model, args.data, tgt_len=DEFAULT_TGT_LEN if args.tgt_len is None else args.tgt_len, mem_len=args.mem_len,
-        clamp_len=args.clamp_len, same_length=args.same_length,
+        clamp_len=args.clamp_len, same_length=args.same_length, mem_start=args.mem_start,
         batch_size=DEFAULT_EVAL_ROWS if args.batch_size is None else args.batch_size,
         batches=args.batches, tokenizer=args.tokenizer, backend=args.backend)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def eval_transfo_xl_checkpoint(args: argparse.Namespace) -> int:
+    """``xlnet-fast eval`` on a Transformer-XL training checkpoint or run directory: the run's evaluation
+    (its eval_loss at that step) or the same on ``--data``; one JSON line."""
+    from .pretrain.artifacts import resolve_model_dir
+    from .pretrain.causal import evaluate_checkpoint
+    from .pretrain.errors import UsageError
+
+    given = [_flag(n) for n in ("seq_len", "reuse_len", "num_predict", "perm_size") if getattr(args, n) is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: XLNet's record layout; a Transformer-XL is evaluated with --tgt-len, "
+                         "--mem-len, --clamp-len, --same-length, --mem-start")
+    if args.mem_len is not None and args.mem_len < 0:
+        raise UsageError(f"--mem-len must be 0 or a positive integer, got {args.mem_len}")
+    src = resolve_model_dir(args.model, "--model", verify=not args.no_verify)
+    result = evaluate_checkpoint(src, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
+                                 cache_dir=args.cache_dir, verify_data=bool(args.verify_data), rows=args.batch_size,
+                                 tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len,
+                                 same_length=args.same_length, mem_start=args.mem_start, attn_backend=args.backend)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -90,6 +117,7 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (default: %(default)s)")
     p.add_argument("--mem-len", type=int, dest="mem_len", metavar="N", help="memory rows per layer (default: the "
                    "model's)")
+    p.add_argument("--mem-start", choices=MEM_STARTS, dest="mem_start", help="Transformer-XL: " + MEM_START_HELP)
     p.add_argument("--no-cache", action="store_true", dest="no_cache", help="recompute the whole context for every "
                    "token, without memory (for comparison; default: off)")
     p.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (default: the model's)")
@@ -98,28 +126,31 @@ def add_generate_parser(sub) -> argparse.ArgumentParser:
 
 
 def _load(args):
-    """(model, encode, decode, kind) for ``--model``; a user's mistake is a UsageError."""
+    """(model, encode, decode, kind) for ``--model`` (a transformers directory, a training checkpoint or
+    a run directory, of either model); a user's mistake is a UsageError."""
+    from .pretrain.artifacts import load_lm, load_tokenizer, resolve_model_dir
     from .pretrain.errors import UsageError
-    from .transfo_xl import TransfoXLLMHeadModel, is_transfo_xl_dir
+    from .pretrain.models import TRANSFO_XL
+    from .pretrain.tokenizers import WORD, tokenizer_kind
 
+    src = resolve_model_dir(args.model, "--model")
     overrides = {k: v for k, v in (("mem_len", args.mem_len), ("attn_backend", args.backend)) if v is not None}
-    if is_transfo_xl_dir(args.model):
-        from .transfo_xl.tokenizer import TransfoXLTokenizer
-
-        try:
-            model = TransfoXLLMHeadModel.from_pretrained(args.model, **overrides)
-            tok = TransfoXLTokenizer.from_pretrained(args.tokenizer or args.model)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--model {args.model}: {exc}") from None
-        encode, decode, kind = tok.encode, tok.decode, "Transformer-XL"
+    if src.model == TRANSFO_XL:
+        if args.mem_start is not None:
+            overrides["mem_start"] = args.mem_start
+    elif args.mem_start is not None:
+        raise UsageError(f"--mem-start: Transformer-XL's start memory; --model {args.model} is an XLNet")
+    model = load_lm(src, **overrides)
+    tok = load_tokenizer(src, args.tokenizer)
+    kind = "Transformer-XL" if src.model == TRANSFO_XL else "XLNet"
+    if tokenizer_kind(tok) == WORD:
+        if src.model != TRANSFO_XL:
+            raise UsageError(f"{args.tokenizer or src.path}: a word-level vocabulary, but XLNet needs its "
+                             "sentencepiece tokenizer (spiece.model)")
+        encode, decode = tok.encode, tok.decode
     else:
-        from .pretrain.artifacts import load_lm, load_tokenizer, resolve_model_dir
-
-        src = resolve_model_dir(args.model, "--model")
-        model = load_lm(src, **overrides)
-        tok = load_tokenizer(src, args.tokenizer)
-        encode, decode, kind = (lambda text: tok.encode(text, add_special_tokens=False),
-                                lambda ids: tok.decode(ids, skip_special_tokens=True), "XLNet")
+        encode, decode = (lambda text: tok.encode(text, add_special_tokens=False),
+                          lambda ids: tok.decode(ids, skip_special_tokens=True))
     if tok.vocab_size != model.config.vocab_size:
         raise UsageError(f"the tokenizer has {tok.vocab_size} tokens but the model's vocabulary "
                          f"{model.config.vocab_size}: pass the model's own with --tokenizer DIR")

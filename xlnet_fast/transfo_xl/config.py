@@ -46,7 +46,12 @@ _DEFAULTS: dict[str, Any] = {
     "return_dict": True,
     # ours: which backend the attention op uses
     "attn_backend": "auto",
+    # ours: the memory a forward, an evaluation or generate starts from when given none (MEM_STARTS)
+    "mem_start": "zeros",
 }
+# "zeros": transformers 4.x's ``init_mems``, ``mem_len`` rows of zeros per layer; "empty": the original
+# code's, no row (the first segment attends to itself only)
+MEM_STARTS = ("zeros", "empty")
 # Model sizes of the benchmarks (and of pretraining): "wt103_base" and "wt103_large" are the paper's
 # WikiText-103 models (adaptive input and softmax over its 267,735 words).
 TRANSFO_XL_SIZES: dict[str, dict[str, Any]] = {
@@ -70,10 +75,39 @@ def _positive_int(name: str, value) -> None:
 
 
 class TransfoXLConfig:
-    """Configuration of a Transformer-XL; transformers 4.x's field names, defaults and ``config.json``.
+    """Configuration of a Transformer-XL; transformers 4.x's field names, defaults (the WikiText-103
+    large model's shape) and ``config.json``. Unknown keys of a ``config.json`` are kept and written back.
 
-    ``proj_share_all_but_first`` (default True) sets ``tie_projs``: the output projections of the tail
-    clusters tied to the input embedding's. Unknown keys of a ``config.json`` are kept and written back.
+    Sizes:
+        vocab_size (267735): tokens; ids are ordered by frequency for the adaptive input and softmax.
+        d_model (1024): width of the hidden states (``hidden_size``).
+        n_layer (18), n_head (16), d_head (64): layers, attention heads and their width (``n_head *
+        d_head`` need not be ``d_model``); d_inner (4096): the feed-forward's hidden width.
+    Adaptive input and softmax (``adaptive.py``):
+        cutoffs ([20000, 40000, 200000]): the vocabulary cut into a head ``[0, cutoffs[0])`` and tail
+        clusters; ``[]``: one plain softmax. d_embed (1024): the head's embedding width (projected to
+        d_model when it differs). div_val (4): cluster i's width is ``d_embed // div_val**i``.
+        adaptive (True): kept for 4.x (the adaptive softmax is always used). tie_word_embeddings
+        (True): the softmax's weights are the input embedding's. proj_share_all_but_first (True):
+        sets ``tie_projs``, the tail clusters' output projections tied to the input's.
+    Attention and memory:
+        mem_len (1600): rows of memory per layer carried to the next segment (0: none).
+        clamp_len (1000): relative distances clamped there (<= 0: no clamp).
+        same_length (True): every token attends to the same number of keys, its last ``mem_len``.
+        pre_lnorm (False): layer norm before each block instead of after the residual.
+        untie_r (True): ``r_w_bias``/``r_r_bias`` per layer (False: one pair shared by all layers).
+        attn_type (0): relative attention, the only kind (others are refused).
+        mem_start ("zeros", ours): the memory ``forward``, ``generate`` and the evaluations start from
+        when given none: "zeros", transformers 4.x's ``mem_len`` zero rows (so a 4.x checkpoint gives
+        4.x's numbers and tokens), or "empty", the original code's (no row; the first segment sees
+        itself only). attn_backend ("auto", ours): the attention op's backend.
+    Regularisation and init: dropout (0.1), dropatt (0.0, on the attention probabilities), init
+        ("normal"), init_range (0.01), proj_init_std (0.01), init_std (0.02), layer_norm_epsilon (1e-5).
+    Others: eos_token_id (0), sample_softmax (-1: off; sampled softmax training is refused),
+        output_attentions, output_hidden_states, return_dict.
+
+    Sizes of the benchmarks: ``TRANSFO_XL_SIZES``; pretraining presets (tiny, small, base, large):
+    ``xlnet_fast.pretrain.settings.TRANSFO_XL_PRESETS`` (``xlnet-fast pretrain --help``).
     """
 
     model_type = MODEL_TYPE
@@ -117,6 +151,8 @@ class TransfoXLConfig:
             raise ValueError(f"attn_type must be 0 (relative attention, the only kind 4.x ships), got {self.attn_type}")
         if self.sample_softmax > 0:
             raise ValueError("sample_softmax > 0 (sampled softmax training) is not supported (nor in transformers)")
+        if self.mem_start not in MEM_STARTS:
+            raise ValueError(f"mem_start must be one of {MEM_STARTS}, got {self.mem_start!r}")
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend must be one of {BACKENDS}, got {self.attn_backend!r}")
 

@@ -1,6 +1,7 @@
 """Long-context evaluation as the original ``eval.py``: perplexity over a token stream, read in
 segments of ``tgt_len`` tokens with the memory of the previous ones (``mem_len`` rows per layer,
-from empty), every token predicted once.
+from the model's start memory, ``init_mems``: ``config.mem_start`` unless ``mem_start`` names one —
+transformers 4.x's zero rows by default, ``"empty"`` the original code's), every token predicted once.
 
 The stream is cut into ``batch_size`` rows of consecutive text (the original ``LMOrderedIterator``);
 each step feeds ``tgt_len`` tokens of every row and scores the next ``tgt_len``. Only each target's
@@ -20,9 +21,11 @@ from ..pretrain.errors import UsageError
 
 
 @torch.no_grad()
-def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_segments: int | None = None) -> dict:
+def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_segments: int | None = None,
+               mem_start: str | None = None) -> dict:
     """``{"loss_sum", "tokens", "segments", "seconds"}`` of a ``TransfoXLLMHeadModel`` over ``tokens
-    (N,)``: the sum of the next-token negative log-likelihoods (float64) and how many were scored."""
+    (N,)``: the sum of the next-token negative log-likelihoods (float64) and how many were scored.
+    The memory starts as ``model.init_mems(batch_size, start=mem_start)``."""
     if tgt_len < 1 or batch_size < 1:
         raise ValueError(f"tgt_len and batch_size must be positive, got {tgt_len} and {batch_size}")
     n_step = tokens.numel() // batch_size
@@ -32,7 +35,7 @@ def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_seg
     data = tokens[: n_step * batch_size].view(batch_size, n_step).to(device)
     was_training = model.training
     model.eval()
-    mems = model.init_mems(batch_size, length=0)
+    mems = model.init_mems(batch_size, start=mem_start)
     loss_sum, count, segments = torch.zeros((), dtype=torch.float64, device=device), 0, 0
     t0 = time.perf_counter()
     try:
@@ -68,7 +71,8 @@ def encode_files(paths: list[str], tokenizer) -> Tensor:
 
 
 def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int = 128, mem_len: int | None = None,
-                            clamp_len: int | None = None, same_length: bool | None = None, batch_size: int = 10,
+                            clamp_len: int | None = None, same_length: bool | None = None,
+                            mem_start: str | None = None, batch_size: int = 10,
                             batches: int | None = None, tokenizer: str | None = None, backend: str | None = None,
                             device: torch.device | None = None) -> dict:
     """``xlnet-fast eval`` for a Transformer-XL directory: perplexity of the text files ``data``.
@@ -87,7 +91,7 @@ def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int
             raise UsageError(f"{flag} must be {what}, got {value}")
     check_readable(data)
     overrides = {k: v for k, v in (("mem_len", mem_len), ("clamp_len", clamp_len), ("same_length", same_length),
-                                   ("attn_backend", backend)) if v is not None}
+                                   ("mem_start", mem_start), ("attn_backend", backend)) if v is not None}
     try:
         model = TransfoXLLMHeadModel.from_pretrained(model_dir, **overrides)
         tok = TransfoXLTokenizer.from_pretrained(tokenizer or model_dir)
@@ -105,5 +109,5 @@ def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int
     c = model.config
     return {"model": model_dir, "data": " ".join(data), "tokens": r["tokens"], "segments": r["segments"],
             "loss": loss, "ppl": math.exp(min(loss, 700.0)), "tgt_len": tgt_len, "mem_len": c.mem_len,
-            "clamp_len": c.clamp_len, "same_length": c.same_length, "batch_size": batch_size,
+            "clamp_len": c.clamp_len, "same_length": c.same_length, "mem_start": c.mem_start, "batch_size": batch_size,
             "tokens_per_s": r["tokens"] / max(r["seconds"], 1e-9)}

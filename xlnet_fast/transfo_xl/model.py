@@ -30,7 +30,7 @@ from ..model.inputs import _check_mems, _check_tokens, _layer_mems
 from ..model.outputs import ModelOutput
 from ..model.pretrained import PreTrainedModel
 from .adaptive import IGNORE_INDEX, AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
-from .config import TransfoXLConfig
+from .config import MEM_STARTS, TransfoXLConfig
 
 
 class RelPartialLearnableMultiHeadAttn(nn.Module):
@@ -61,12 +61,12 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
 
     def forward(self, h: Tensor, pos_emb: Tensor | None, mems: Tensor | None, masks: PreparedMasks,
                 output_attentions: bool = False, memory_kv: tuple[Tensor, Tensor] | None = None,
-                k_r: Tensor | None = None) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor]]:
+                k_r: Tensor | None = None, return_kv: bool = False) -> tuple[Tensor, Tensor | None, tuple | None]:
         """h ``(B, L, d)``, pos_emb ``(R, d)`` (R = K + 1), mems ``(B, mlen, d)`` or None. Generation
         passes instead the memory's keys and values ``memory_kv`` ``(B, mlen, H, D)`` (projected when
         those rows were new: the same numbers) and ``k_r`` (``project_positions``, cached per K).
-        Returns the new h, the probabilities ``(B, H, L, K)`` when asked, and the keys and values
-        ``(B, K, H, D)``."""
+        Returns the new h, the probabilities ``(B, H, L, K)`` when asked, and with ``return_kv`` the keys
+        and values ``(B, K, H, D)`` (views: returned only to generation, which keeps them)."""
         L = h.shape[1]
         x = h if mems is None or memory_kv is not None else torch.cat([mems.to(h.dtype), h], dim=1)
         if self.pre_lnorm:  # a per-row norm: the memory's rows as when they were new
@@ -84,7 +84,7 @@ class RelPartialLearnableMultiHeadAttn(nn.Module):
         probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs) \
             if output_attentions else None
         out = self.drop(self.o_net(attn.flatten(-2)))
-        return (h + out if self.pre_lnorm else self.layer_norm(h + out)), probs, (k, v)
+        return (h + out if self.pre_lnorm else self.layer_norm(h + out)), probs, ((k, v) if return_kv else None)
 
 
 class PositionwiseFF(nn.Module):
@@ -111,8 +111,9 @@ class RelPartialLearnableDecoderLayer(nn.Module):
         self.dec_attn = RelPartialLearnableMultiHeadAttn(config, r_w_bias, r_r_bias)
         self.pos_ff = PositionwiseFF(config)
 
-    def forward(self, h, pos_emb, mems, masks: PreparedMasks, output_attentions=False, memory_kv=None, k_r=None):
-        h, probs, kv = self.dec_attn(h, pos_emb, mems, masks, output_attentions, memory_kv, k_r)
+    def forward(self, h, pos_emb, mems, masks: PreparedMasks, output_attentions=False, memory_kv=None, k_r=None,
+                return_kv=False):
+        h, probs, kv = self.dec_attn(h, pos_emb, mems, masks, output_attentions, memory_kv, k_r, return_kv)
         return self.pos_ff(h), probs, kv
 
 
@@ -224,12 +225,20 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
     def set_input_embeddings(self, emb: AdaptiveEmbedding) -> None:
         self.word_emb = emb
 
-    def init_mems(self, bsz: int, length: int | None = None) -> list[Tensor] | None:
-        """Zero memory ``(length, bsz, d_model)`` per layer; ``length`` defaults to ``mem_len``, as
-        4.x's (None when ``mem_len`` is 0). ``length=0``: an empty memory, as the original code
-        starts (``mems=None`` to ``forward`` means 4.x's zeros)."""
+    def init_mems(self, bsz: int, length: int | None = None, start: str | None = None) -> list[Tensor] | None:
+        """The memory a forward starts from when given none: per layer ``(length, bsz, d_model)``
+        zeros. ``start`` (default ``config.mem_start``): ``"zeros"``, transformers 4.x's ``mem_len``
+        rows of zeros; ``"empty"``, the original code's start, no row. ``length`` gives the number
+        of zero rows instead (0: empty). None when ``mem_len`` is 0 and no row is asked for.
+        ``forward``, ``generate`` and the evaluations start from ``init_mems(B)`` when given no ``mems``."""
         c = self.config
-        length = c.mem_len if length is None else length
+        if length is None:
+            start = c.mem_start if start is None else start
+            if start not in MEM_STARTS:
+                raise ValueError(f"start must be one of {MEM_STARTS}, got {start!r}")
+            length = c.mem_len if start == "zeros" else 0
+        elif start is not None:
+            raise ValueError("init_mems takes length= or start=, not both")
         if length == 0 and c.mem_len == 0:
             return None
         p = self.word_emb.emb_layers[0].weight
@@ -272,7 +281,8 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
         return_dict: bool | None = None,
     ) -> TransfoXLModelOutput | tuple:
         """input_ids ``(B, L)`` in ``[0, vocab_size)`` or inputs_embeds ``(B, L, d_model)``; mems: per layer
-        ``(mlen, B, d_model)`` (None: 4.x's zero memory of ``mem_len`` rows; see ``init_mems``).
+        ``(mlen, B, d_model)`` (None: ``init_mems(B)``, the start ``config.mem_start`` names; by default
+        4.x's zero memory of ``mem_len`` rows).
         Returns ``last_hidden_state (B, L, d_model)`` and the new ``mems``."""
         c = self.config
         if head_mask is not None:
@@ -324,7 +334,7 @@ class TransfoXLModel(TransfoXLPreTrainedModel):
             mems = cache.mems[i].transpose(0, 1) if cache.kv is None and cache.mems is not None else None
             memory_kv = cache.kv[i] if cache.kv is not None else None
             k_r = cache.k_r[i][:, -(klen + 1):]
-            h, _, (k, v) = layer(h, None, mems, masks, memory_kv=memory_kv, k_r=k_r)
+            h, _, (k, v) = layer(h, None, mems, masks, memory_kv=memory_kv, k_r=k_r, return_kv=True)
             keep = max(0, k.shape[1] - c.mem_len)
             kvs.append((k[:, keep:], v[:, keep:]))
         cache.kv, cache.mems = kvs, None
@@ -389,8 +399,8 @@ class TransfoXLLMHeadModel(TransfoXLPreTrainedModel):
     def get_output_embeddings(self) -> nn.Linear:
         return self.crit.out_layers[-1]
 
-    def init_mems(self, bsz: int, length: int | None = None) -> list[Tensor] | None:
-        return self.transformer.init_mems(bsz, length)
+    def init_mems(self, bsz: int, length: int | None = None, start: str | None = None) -> list[Tensor] | None:
+        return self.transformer.init_mems(bsz, length, start)
 
     def reset_memory_length(self, mem_len: int) -> None:
         """Keep ``mem_len`` rows of memory from now on (4.x's method)."""
