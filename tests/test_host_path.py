@@ -177,3 +177,26 @@ def test_the_patched_transformers_model_compiles():
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_transfo_xl_training_step_reads_the_host_once_per_adaptive_layer(gpu_like, div_val):
+    """Transformer-XL's pretraining step (``pretrain.causal.CausalLMLoss``: memory, dropout, the
+    adaptive softmax's loss) on the Triton path: the attention reads nothing on the host; the
+    adaptive softmax reads its clusters' sizes once per call (it scores each target's own cluster
+    only: the sizes shape the gathers), as does the adaptive input when its clusters have their own
+    tables (``div_val`` > 1). The original code and transformers 4.x read once per cluster."""
+    from xlnet_fast import TransfoXLConfig, TransfoXLLMHeadModel
+    from xlnet_fast.pretrain.causal import CausalLMLoss
+
+    c = TransfoXLConfig(vocab_size=60, cutoffs=[15, 35], d_model=32, d_embed=32, n_head=H, d_head=D, d_inner=48,
+                        n_layer=2, div_val=div_val, mem_len=MLEN, dropout=0.1, dropatt=0.1, attn_backend="triton")
+    step = CausalLMLoss(TransfoXLLMHeadModel(c).train())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 60, (B, L + 1), generator=g)
+    mems = [torch.randn(MLEN, B, 32, generator=g) for _ in range(2)]
+    with host_reads() as reads:
+        total, count, new_mems = step(ids[:, :-1], ids[:, 1:], mems)
+        total.backward()
+    assert reads == ["tolist"] * (1 if div_val == 1 else 2), reads
+    assert gpu_like.count("fwd") == 2 and len(new_mems) == 2

@@ -18,6 +18,7 @@ from .attention import (attention_probabilities, prepare_masks, prepare_two_stre
 from .masks import INT32_MAX, INT32_MIN
 from .pretrain.tokenizer import XLNetTokenizer, train_tokenizer
 from .transfo_xl import TransfoXLConfig, TransfoXLLMHeadModel, TransfoXLModel
+from .transfo_xl.tokenizer import TransfoXLTokenizer
 
 __version__ = "0.1.0"
 
@@ -48,5 +49,6 @@ __all__ = [
     "TransfoXLConfig",
     "TransfoXLModel",
     "TransfoXLLMHeadModel",
+    "TransfoXLTokenizer",
     "__version__",
 ]

@@ -66,11 +66,13 @@ def _pretrain(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
-    from .cli_generate import check_xlnet_eval_flags, eval_transfo_xl
+    from .cli_generate import check_xlnet_eval_flags, eval_transfo_xl, eval_transfo_xl_checkpoint
     from .pretrain.evaluate import evaluate_model_dir
     from .transfo_xl import is_transfo_xl_dir
 
     _setup_logging()
+    if _transfo_xl_checkpoint(args.model):
+        return eval_transfo_xl_checkpoint(args)
     if is_transfo_xl_dir(args.model):
         return eval_transfo_xl(args)
     check_xlnet_eval_flags(args)
@@ -81,6 +83,19 @@ def _eval(args: argparse.Namespace) -> int:
                                 verify_data=args.verify_data, **layout)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _transfo_xl_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a Transformer-XL training checkpoint, or a run directory whose newest one is."""
+    from .pretrain.checkpoint import list_checkpoints
+    from .pretrain.models import TRANSFO_XL, model_of_dir
+    from .pretrain.outputs import CHECKPOINT_DIR, directory_kind
+    from .pretrain.settings import TrainConfig
+
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        found = list_checkpoints(TrainConfig(out=path))
+        return bool(found) and model_of_dir(found[-1]) == TRANSFO_XL
+    return directory_kind(path) == CHECKPOINT_DIR and model_of_dir(path) == TRANSFO_XL
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -99,6 +114,10 @@ def _export(args: argparse.Namespace) -> int:
 
     _setup_logging()
     r = export_model(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, verify=not args.no_verify)
+    if r["model_class"] != "XLNetLMHeadModel":
+        print(f"wrote {r['out']} ({r['parameters']:,} parameters, {r['dtype']}) from {r['source']}: load with "
+              f"xlnet_fast.{r['model_class']}.from_pretrained({r['out']!r}) or transformers 4.x's")
+        return 0
     print(f"wrote {r['out']} ({r['parameters']:,} parameters, {r['dtype']}) from {r['source']}: load with "
           f"transformers.XLNetLMHeadModel.from_pretrained({r['out']!r}) or xlnet_fast's")
     if r["dtype"] != "fp32":  # transformers' XLNet creates its attention weights as float32 tensors
@@ -112,12 +131,21 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     from .pretrain.errors import UsageError
     from .pretrain.outputs import check_output_dir
     from .pretrain.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES, train_tokenizer
+    from .pretrain.tokenizers import WORD, WORD_TOKENIZER_FILES
+    from .transfo_xl.tokenizer import TransfoXLTokenizer
 
-    if args.vocab_size <= len(SPECIAL_TOKENS):
-        raise UsageError(f"--vocab-size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {args.vocab_size}")
-    check_output_dir(args.out, command="tokenizer train", inputs=args.files,
-                     owned=lambda name, is_dir: name in TOKENIZER_FILES)
+    word = args.kind == WORD
+    specials = 2 if word else len(SPECIAL_TOKENS)  # <eos> <unk>, or XLNet's
+    if args.vocab_size <= specials:
+        raise UsageError(f"--vocab-size must exceed the {specials} special tokens, got {args.vocab_size}")
+    files = WORD_TOKENIZER_FILES if word else TOKENIZER_FILES
+    check_output_dir(args.out, command="tokenizer train", inputs=args.files, owned=lambda name, is_dir: name in files)
     check_corpus(args.files)
+    if word:
+        tok = TransfoXLTokenizer.from_corpus(iter_lines(args.files), args.vocab_size)
+        tok.save_pretrained(args.out)
+        print(f"wrote {os.path.join(args.out, files[0])} ({tok.vocab_size} symbols)")
+        return 0
     tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
     print(f"wrote {tok.model_file} ({tok.vocab_size} pieces)")
     return 0
@@ -129,14 +157,14 @@ def _data_prepare(args: argparse.Namespace) -> int:
     from .pretrain.corpus import check_readable
     from .pretrain.errors import UsageError
     from .pretrain.prepare import prepare_corpus
-    from .pretrain.tokenizer import XLNetTokenizer
+    from .pretrain.tokenizers import load_tokenizer_dir
 
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     check_readable(args.files)
     try:
-        tokenizer = XLNetTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_tokenizer_dir(args.tokenizer)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

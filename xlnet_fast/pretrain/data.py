@@ -22,7 +22,8 @@ import torch
 
 from ..masks import local_perm
 from .errors import UsageError
-from .prepare import TokenShards, tokenizer_digest
+from .prepare import TokenShards
+from .tokenizers import tokenizer_digest, tokenizer_source
 from .tokenizer import CLS_ID, SEG_A, SEG_B, SEG_CLS, SEP_ID, SPECIAL_TOKENS, XLNetTokenizer
 
 
@@ -136,7 +137,8 @@ def _token_stream(tokens, tokenizer: XLNetTokenizer):
         tokens = TokenShards(tokens)
     if isinstance(tokens, TokenShards):
         if tokens.tokenizer_sha256 != tokenizer_digest(tokenizer):
-            raise UsageError(f"{tokens.directory} was prepared with another tokenizer than {tokenizer.model_file} "
+            raise UsageError(f"{tokens.directory} was prepared with another tokenizer than "
+                             f"{tokenizer_source(tokenizer)} "
                              f"(its own is in {tokens.tokenizer_dir()})")
         return tokens
     if not isinstance(tokens, np.ndarray) or tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -229,6 +231,15 @@ class PretrainBatches:
 
     def state_dict(self) -> dict:
         return {"pos": dict(self.pos), "rng": {r: g.bit_generator.state for r, g in self.rngs.items()}}
+
+    def row_state(self, row: int) -> dict:
+        """Row ``row``'s position and generator (JSON values): what a checkpoint keeps of it."""
+        return {"pos": int(self.pos[row]), "rng": self.rngs[row].bit_generator.state}
+
+    def load_row_states(self, states: dict[int, dict]) -> None:
+        """``row_state`` values of this rank's rows, by global row."""
+        self.load_state_dict({"pos": {r: states[r]["pos"] for r in self.row_ids},
+                              "rng": {r: states[r]["rng"] for r in self.row_ids}})
 
     def load_state_dict(self, state: dict) -> None:
         for r in self.row_ids:

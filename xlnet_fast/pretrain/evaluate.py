@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from .artifacts import load_lm, load_tokenizer, resolve_model_dir
+from .models import XLNET
+from .tokenizers import SENTENCEPIECE, tokenizer_kind
 from .corpus import check_corpus, check_readable
 from .data import DataConfig, PretrainBatches, model_on_batch
 from .distributed import all_sum
@@ -148,9 +150,10 @@ def eval_row(loss_sum: float, count: int) -> dict:
 
 
 def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None, cache_dir: str, rank: int,
-                       world: int) -> Evaluator | None:
+                       world: int, build=None) -> Evaluator | None:
     """The run's evaluator: on ``c.eval_data``, else on the held-out tail of the training tokens; None
-    (said once) when the run has neither (a run started before held-out evaluation existed)."""
+    (said once) when the run has neither (a run started before held-out evaluation existed).
+    ``build(tokens, source)``: another model's evaluator (default: the permutation LM's ``Evaluator``)."""
     if c.eval_data:
         tokens = prepared_tokens(c.eval_data, tokenizer, cache_dir, rank, world, verify=c.verify_data)
         source = f"--eval-data {' '.join(c.eval_data)}"
@@ -161,9 +164,12 @@ def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None,
             logger.warning("no evaluation: this run holds out no text (it started before held-out evaluation "
                            "existed); pass --eval-data FILE... to evaluate")
         return None
-    layout = DataConfig(seq_len=c.seq_len, reuse_len=c.reuse_len, num_predict=c.num_predict,
-                        perm_size=c.perm_size, bi_data=c.bi_data)
-    evaluator = Evaluator(tokens, tokenizer, layout, c.batch_size, c.eval_batches, c.mem_len, rank, world, source)
+    if build is not None:
+        evaluator = build(tokens, source)
+    else:
+        layout = DataConfig(seq_len=c.seq_len, reuse_len=c.reuse_len, num_predict=c.num_predict,
+                            perm_size=c.perm_size, bi_data=c.bi_data)
+        evaluator = Evaluator(tokens, tokenizer, layout, c.batch_size, c.eval_batches, c.mem_len, rank, world, source)
     if rank == 0:
         when = f"every {c.eval_every} steps and at the end" if c.eval_every else "at the end"
         logger.info("evaluating %s on %s (%d tokens): %d batches of %d rows", when, source, len(tokens),
@@ -171,9 +177,9 @@ def training_evaluator(c, tokenizer: XLNetTokenizer, heldout: np.ndarray | None,
     return evaluator
 
 
-def hold_out_tail(tokens, c, rank: int, world: int) -> tuple:
-    """``split_heldout`` for a run (its sequence length and global batch), said once."""
-    train, held = split_heldout(tokens, c.seq_len, c.batch_size * world)
+def hold_out_tail(tokens, c, rank: int, world: int, seq_len: int | None = None) -> tuple:
+    """``split_heldout`` for a run (its sequence length, or ``seq_len``, and its global batch), said once."""
+    train, held = split_heldout(tokens, seq_len or c.seq_len, c.batch_size * world)
     if rank == 0:
         logger.info("holding out the last %d of %d tokens (%.1f%%) of the training data for evaluation (pass "
                     "--eval-data FILE... to evaluate on other text and train on all of it)", len(held), len(tokens),
@@ -227,7 +233,8 @@ def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str,
     check_eval_files(files, "the run's --data")
     _check_unchanged(files, record.get("data_digest"), "data", "its held-out tail")
     tokens = prepared_tokens(files, tokenizer, cache_dir, verify=verify_data)
-    held = split_heldout(tokens, settings["seq_len"], settings["batch_size"] * (record.get("world_size") or 1))[1]
+    segment = settings["seq_len"] if settings.get("seq_len") else settings["tgt_len"] + 1  # XLNet's or Transformer-XL's
+    held = split_heldout(tokens, segment, settings["batch_size"] * (record.get("world_size") or 1))[1]
     return held, "the held-out tail of " + " ".join(files)
 
 
@@ -254,8 +261,14 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
     ``LAYOUT_SETTINGS`` overrides; ``verify``: compare a checkpoint with its checksums;
     ``verify_data``: hash every shard of prepared data."""
     src = resolve_model_dir(model, "--model", verify=verify)
+    if src.model != XLNET:
+        raise UsageError(f"--model {src.path} is a Transformer-XL: its evaluation is the perplexity with memory "
+                         "(xlnet_fast.pretrain.causal.evaluate_checkpoint, or xlnet-fast eval)")
     s = _eval_settings(src, {**layout, "eval_batches": batches})
     tok = load_tokenizer(src, tokenizer)
+    if tokenizer_kind(tok) != SENTENCEPIECE:
+        raise UsageError(f"--tokenizer {tokenizer}: a word-level vocabulary, but XLNet needs its sentencepiece "
+                         "tokenizer")
     cache_dir = default_cache_dir(cache_dir)
     verify_data = bool(verify_data)
     if data:

@@ -1,10 +1,13 @@
 """``xlnet-fast export``: a training checkpoint (or a run's newest) as a clean transformers directory.
 
 The output holds ``config.json``, ``model.safetensors`` (in the chosen dtype, tied weights once) and
-the tokenizer files (``spiece.model``, ``tokenizer.json``, ``tokenizer_config.json``) — no optimizer,
-trainer, rank or run state. ``transformers.XLNetLMHeadModel.from_pretrained(out)`` and
-``xlnet_fast.XLNetLMHeadModel.from_pretrained(out)`` load it. It is written into a temporary sibling
-directory, fsynced, and renamed into place; a failed write (a full disk) leaves nothing behind. ``out``
+the tokenizer files (``spiece.model``, ``tokenizer.json``, ``tokenizer_config.json``; a word-level
+vocabulary's ``vocab.txt`` and ``tokenizer_config.json``) — no optimizer, trainer, rank or run state.
+An XLNet's: ``transformers.XLNetLMHeadModel.from_pretrained(out)`` and
+``xlnet_fast.XLNetLMHeadModel.from_pretrained(out)`` load it; a Transformer-XL's:
+``xlnet_fast.TransfoXLLMHeadModel.from_pretrained(out)`` and transformers 4.x's (5.x deleted the model).
+It is written into a temporary sibling directory, fsynced, and renamed into place; a failed write (a
+full disk) leaves nothing behind. ``out``
 follows ``outputs.check_output_dir``: never the source, inside it or around it, never a run, checkpoint
 or prepared directory; an ``out`` holding an earlier export is replaced only with ``overwrite``, one
 holding any other file never.
@@ -18,17 +21,20 @@ import shutil
 
 import torch
 
+from ..model.pretrained import _unshared
 from .artifacts import load_tokenizer, model_state, read_config, resolve_model_dir
 from .checkpoint import fsync_dir, hash_file
 from .errors import UsageError
+from .models import lm_class, tied_weight_names
 from .outputs import check_output_dir
+from .tokenizers import ALL_TOKENIZER_FILES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names
-TIED_WEIGHTS = ("lm_loss.weight",)  # = transformer.word_embedding.weight
+TIED_WEIGHTS = ("lm_loss.weight",)  # XLNet's: = transformer.word_embedding.weight (models.tied_weight_names)
 
 
-EXPORT_FILES = ("config.json", "model.safetensors", "spiece.model", "tokenizer.json", "tokenizer_config.json")
+EXPORT_FILES = ("config.json", "model.safetensors", *ALL_TOKENIZER_FILES)
 
 
 def _check_out(source: str, out: str, overwrite: bool) -> None:
@@ -54,10 +60,12 @@ def _save_safetensors(state: dict, path: str) -> None:
 def _write(tmp: str, src, dtype: str) -> int:
     """config.json, model.safetensors and the tokenizer into ``tmp``; returns the parameter count."""
     config = read_config(src, attn_backend="auto")
-    config.architectures = ["XLNetLMHeadModel"]
+    config.architectures = [lm_class(src.model).__name__]
     config.dtype = DTYPE_NAMES[dtype]
-    state = {k: v.detach().to("cpu") for k, v in model_state(src).items() if k not in TIED_WEIGHTS}
+    tied = tied_weight_names(config)
+    state = {k: v.detach().to("cpu") for k, v in model_state(src).items() if k not in tied}
     state = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous() for k, v in state.items()}
+    state = _unshared(state)  # a Transformer-XL's shared r biases, under every layer's name
     os.makedirs(tmp)
     config.save_pretrained(tmp)
     _save_safetensors(state, os.path.join(tmp, "model.safetensors"))
@@ -103,4 +111,5 @@ def export_model(source: str, out: str, dtype: str = "fp32", overwrite: bool = F
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
-    return {"source": src.path, "out": out, "dtype": dtype, "parameters": n_params}
+    return {"source": src.path, "out": out, "dtype": dtype, "parameters": n_params,
+            "model_class": lm_class(src.model).__name__}

@@ -103,6 +103,28 @@ def parameter_count(d_model: int, n_layer: int, n_head: int, d_inner: int, vocab
     return vocab_size * d + d + n_layer * (attention + feed_forward) + vocab_size  # + mask_emb, lm bias
 
 
+def transfo_xl_parameter_count(vocab_size: int, cutoffs: list[int], d_model: int, d_embed: int, n_head: int,
+                               d_head: int, d_inner: int, n_layer: int, div_val: int = 1, untie_r: bool = True,
+                               **_) -> int:
+    """Parameters of ``TransfoXLLMHeadModel`` with 4.x's default ties (the softmax's weights and the
+    tail clusters' projections are the adaptive input's)."""
+    d, E, A = d_model, d_embed, n_head * d_head
+    ends = [0, *cutoffs, vocab_size]
+    sizes = [hi - lo for lo, hi in zip(ends[:-1], ends[1:])]
+    if div_val == 1:
+        widths = [E] * len(sizes)
+        embedding = vocab_size * E + (d * E if d != E else 0)
+        softmax = vocab_size + (d * E if d != E else 0)  # the bias; the head's projection (tails' tied)
+    else:
+        widths = [E // div_val**i for i in range(len(sizes))]
+        embedding = sum(n * w + d * w for n, w in zip(sizes, widths))
+        softmax = sum(sizes) + d * widths[0]  # the biases; the head's projection (tails' tied)
+    softmax += len(cutoffs) * (E + 1)  # the head's scores of the tail clusters
+    biases = 2 * A * (n_layer if untie_r else 1)
+    layer = 5 * A * d + 2 * d + 2 * d * d_inner + d_inner + d + 2 * d  # qkv, o, r; norm; feed-forward; norm
+    return embedding + softmax + biases + n_layer * layer
+
+
 def device_peak_tflops(device: torch.device, override: float | None = None) -> tuple[float | None, str]:
     """``(dense bf16 peak of one device in TFLOP/s, what it is)``; the peak is None where MFU cannot
     be stated (a CPU, an unknown GPU). ``override`` (``--peak-tflops``), else the environment variable

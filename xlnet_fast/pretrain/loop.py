@@ -1,12 +1,13 @@
-"""XLNet permutation-LM pretraining: one process, DDP or FSDP2 under ``torchrun``, exact resume.
+"""Pretraining: one process, DDP or FSDP2 under ``torchrun``, exact resume; XLNet's permutation LM or
+Transformer-XL's causal LM (``objective.py``: what differs between them).
 
 ``pretrain(TrainConfig(...))`` (or ``xlnet-fast pretrain``) plans the run (``run_dir.plan_run``),
-builds the tokenizer, the batches (``data.PretrainBatches``: two streams, the query stream on the
-``num_predict`` targets only) and ``XLNetLMHeadModel``, and trains with mems carried per rank across
-steps. Checkpoints: ``checkpoint.py`` (layout), ``sharded.py`` (saving, restoring). SIGTERM or
-Ctrl-C (SIGINT) saves a checkpoint at the next step boundary and exits 0 (a second Ctrl-C stops at
-once, without saving); a non-finite loss, gradient norm or weight stops the run before anything
-non-finite is saved.
+builds the tokenizer, the batches (XLNet: ``data.PretrainBatches``, two streams, the query stream on
+the ``num_predict`` targets only; Transformer-XL: ``causal.StreamBatches``, ``tgt_len`` segments of
+parallel streams) and the model, and trains with mems carried per rank across steps. Checkpoints:
+``checkpoint.py`` (layout), ``sharded.py`` (saving, restoring). SIGTERM or Ctrl-C (SIGINT) saves a
+checkpoint at the next step boundary and exits 0 (a second Ctrl-C stops at once, without saving); a
+non-finite loss, gradient norm or weight stops the run before anything non-finite is saved.
 """
 
 from __future__ import annotations
@@ -20,24 +21,24 @@ import shutil
 import signal
 import time
 
-import numpy as np
 import torch
 
-from ..config import XLNetConfig
 from ..model import XLNetLMHeadModel
+from ..transfo_xl import TransfoXLLMHeadModel
 from .checkpoint import hash_file
 from .corpus import iter_lines
-from .data import PretrainBatches, model_on_batch
 from .distributed import agree, all_sum, barrier, from_rank0, init_distributed, shutdown_distributed
 from .errors import NonFiniteLossError
-from .evaluate import hold_out_tail, training_evaluator
-from .flops import run_throughput
+from .evaluate import hold_out_tail
+from .models import XLNET
+from .objective import objective_for
 from .plot import plot_at_end
 from .prepare import TokenShards, prepared_directory, prepared_tokens
 from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
-from .settings import PRESETS, TrainConfig, check_settings, data_config
+from .settings import TrainConfig, check_settings
 from .sharded import CheckpointWriter, restore_training_state
-from .tokenizer import SPIECE_NAME, XLNetTokenizer, train_tokenizer
+from .tokenizer import SPIECE_NAME, XLNetTokenizer
+from .tokenizers import Tokenizer, load_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,45 +59,51 @@ def _publish_dir(tmp: str, final: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> XLNetTokenizer:
-    """The checkpoint's tokenizer on resume, else ``c.tokenizer``, else one trained on the data and
-    cached by the data's content and the vocabulary size. Cached copies keep the model file in place
-    while old checkpoints are rotated away."""
+def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> Tokenizer:
+    """The checkpoint's tokenizer on resume, else ``c.tokenizer``, else one trained on the data (XLNet:
+    sentencepiece; Transformer-XL: a word-level vocabulary) and cached by the data's content and the
+    vocabulary size. Cached copies keep a sentencepiece model file in place while old checkpoints are
+    rotated away (a word-level vocabulary is held in memory)."""
     if plan.checkpoint is None and c.tokenizer:
-        return XLNetTokenizer.from_pretrained(c.tokenizer)
+        return load_tokenizer_dir(c.tokenizer)
     directory = prepared_directory(c.data)
     if plan.checkpoint is None and directory is not None:
         return TokenShards(directory).tokenizer()  # the one that encoded the data
+    objective = objective_for(c)
     if plan.checkpoint is not None:
+        if not os.path.exists(os.path.join(plan.checkpoint, SPIECE_NAME)):
+            return load_tokenizer_dir(plan.checkpoint)  # word-level
         source = os.path.join(plan.checkpoint, SPIECE_NAME)
         key = "model-" + hash_file(source)["sha256"][:16]
     else:
         source = None
-        key = hashlib.sha256(f"v{c.vocab_size}:{plan.data_digest}".encode()).hexdigest()[:16]
+        recipe = f"{objective.tokenizer_recipe}:" if objective.tokenizer_recipe else ""  # XLNet's keys as before
+        key = hashlib.sha256(f"{recipe}v{c.vocab_size}:{plan.data_digest}".encode()).hexdigest()[:16]
     d = os.path.join(cache_root(c), "tokenizers", key)
-    path = os.path.join(d, SPIECE_NAME)
-    if rank == 0 and not os.path.exists(path):
+    if rank == 0 and not os.path.isdir(d):
         tmp = d + f".tmp{os.getpid()}"
         if source is None:
-            train_tokenizer(iter_lines(c.data), c.vocab_size, tmp)
+            objective.train_tokenizer(iter_lines(c.data), c.vocab_size, tmp)
         else:
             os.makedirs(tmp, exist_ok=True)
             shutil.copyfile(source, os.path.join(tmp, SPIECE_NAME))
         _publish_dir(tmp, d)
     barrier(world)
-    return XLNetTokenizer(path)
+    if os.path.exists(os.path.join(d, SPIECE_NAME)):
+        return XLNetTokenizer(os.path.join(d, SPIECE_NAME))
+    return load_tokenizer_dir(d)
 
 
-def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: XLNetTokenizer, rank: int,
-                     world: int) -> tuple[PretrainBatches, np.ndarray | None]:
+def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: Tokenizer, rank: int, world: int) -> tuple:
     """The training batches and the held-out tail of the tokens (None with ``--eval-data``). The
     tokens: the prepared directory given as ``--data``, or the text files prepared (by rank 0, the
     others wait) into the cache, keyed by the text's and the tokenizer's contents."""
+    objective = objective_for(c)
     tokens = prepared_tokens(c.data, tokenizer, cache_root(c), rank, world, c.progress, digest=plan.data_digest,
                              verify=c.verify_data)
-    tokens, heldout = hold_out_tail(tokens, c, rank, world) if c.hold_out else (tokens, None)
-    batches = PretrainBatches(tokens, tokenizer, data_config(c), rows=c.batch_size, rank=rank, world_size=world)
-    return batches, heldout
+    tokens, heldout = (hold_out_tail(tokens, c, rank, world, objective.segment_len(c)) if c.hold_out
+                       else (tokens, None))
+    return objective.batches(tokens, tokenizer, c, rank, world), heldout
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -194,11 +201,12 @@ class Trainer:
         if rank == 0 and plan.notes:
             logger.warning("resuming %s with changed settings: %s", plan.checkpoint, ", ".join(plan.notes))
         torch.manual_seed(c.seed + rank)
+        self.objective = objective_for(c)
         self.tokenizer = _prepare_tokenizer(c, plan, rank, world)
         self.batches, heldout = _prepare_batches(c, plan, self.tokenizer, rank, world)
-        self.evaluator = training_evaluator(c, self.tokenizer, heldout, cache_root(c), rank, world)
+        self.evaluator = self.objective.evaluator(c, self.tokenizer, heldout, cache_root(c), rank, world)
         self.raw_model = self._build_model()
-        self.meter, self.mfu_note = run_throughput(c, self.raw_model.config, world, device)
+        self.meter, self.mfu_note = self.objective.throughput(c, self.raw_model.config, world, device)
         if rank == 0:
             logger.info(self.mfu_note)
         self.model = self._wrap(self.raw_model)
@@ -216,31 +224,30 @@ class Trainer:
                                                group=self.checkpoints.group)
             _apply_optimizer_settings(self.optimizer, self.scheduler, c)
 
-    def _build_model(self) -> XLNetLMHeadModel:
+    def _build_model(self):
         c = self.c
-        mcfg = XLNetConfig(vocab_size=self.tokenizer.vocab_size, **PRESETS[c.preset]["model"], dropout=c.dropout,
-                           mem_len=c.mem_len, reuse_len=c.reuse_len, bi_data=c.bi_data,
-                           attn_backend=c.backend, use_mems_train=c.mem_len > 0)
+        config = self.objective.model_config(c, self.tokenizer)
         torch.manual_seed(c.seed)  # the same initial weights on every rank
-        model = XLNetLMHeadModel(mcfg).to(self.device)
+        model = (XLNetLMHeadModel if c.model == XLNET else TransfoXLLMHeadModel)(config).to(self.device)
         torch.manual_seed(c.seed + 1 + self.rank)
         return model  # a checkpoint's weights are loaded after wrapping (restore_training_state)
 
     def _wrap(self, raw_model):
         c = self.c
+        layers = self.objective.layers(raw_model)
         if c.checkpointing:
-            for layer in raw_model.transformer.layer:
+            for layer in layers:
                 layer.forward = _checkpointed(layer.forward)
-        model = raw_model
+        model = self.trainable = self.objective.trainable(raw_model)  # the model, or a loss around it
         if c.fsdp and self.world > 1:  # one rank has nothing to shard
             from torch.distributed.fsdp import fully_shard
 
-            for layer in raw_model.transformer.layer:
+            for layer in layers:
                 fully_shard(layer)
-            fully_shard(raw_model)
+            fully_shard(model)
         elif self.world > 1:
             model = torch.nn.parallel.DistributedDataParallel(
-                raw_model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         return torch.compile(model) if c.compile else model
 
     def _train_step(self) -> tuple[float, float]:
@@ -251,21 +258,18 @@ class Trainer:
         use_amp = device.type == "cuda"
         loss_sum = torch.zeros((), device=device)
         for micro in range(c.grad_accum):
-            batch = {k: v.to(device) for k, v in self.batches.next_batch().items()}
-            n_targets = all_sum((batch["labels"] != -100).sum().float(), world) * c.grad_accum
+            batch = self.batches.next_batch()
             sync = micro == c.grad_accum - 1 or world == 1 or c.fsdp
             no_sync = not sync and hasattr(self.model, "no_sync")
             ctx = self.model.no_sync() if no_sync else contextlib.nullcontext()
             with ctx, torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-                out = model_on_batch(self.model, batch, self.mems, use_mems=c.mem_len > 0)
-                logits = out.logits.float()
+                total, count, mems = self.objective.loss(self.model, batch, self.mems, c, device)
                 # sum over this rank's targets / all ranks' targets; DDP averages gradients over
                 # ranks, so multiply by world: the update equals one process with the whole batch
-                ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                       batch["labels"].reshape(-1), reduction="sum")
-                loss = ce * world / n_targets
+                n_targets = all_sum(count.float(), world) * c.grad_accum
+                loss = total * world / n_targets
                 loss.backward()
-            self.mems = [m.detach() for m in out.mems] if out.mems is not None else None
+            self.mems = mems
             loss_sum += loss.detach() / world
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), c.clip))
         loss_value = float(all_sum(loss_sum, world))
@@ -318,7 +322,9 @@ class Trainer:
 
     def _evaluate(self) -> None:
         """A held-out evaluation (every rank takes part); its row goes to metrics.jsonl."""
-        row = {"step": self.step, **self.evaluator.evaluate(self.raw_model, self.device, self.world)}
+        # the model itself, or (Transformer-XL) the loss around it, FSDP2's root: its forward gathers the shards
+        evaluated = self.raw_model if self.trainable is self.raw_model else self.trainable
+        row = {"step": self.step, **self.evaluator.evaluate(evaluated, self.device, self.world)}
         self.last_eval = row["eval_loss"]
         if self.bar is not None:
             self.bar.set_postfix({**self._postfix, "eval": f"{self.last_eval:.3f}"})
@@ -375,7 +381,7 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.close()
         return {"step": self.step, "loss": last_loss, "checkpoint": self.ckpt_path, "preempted": preempted,
-                "stopped_by": stop.signal_name if preempted else None,
+                "stopped_by": stop.signal_name if preempted else None, "model_class": type(self.raw_model).__name__,
                 **self._session(time.perf_counter() - self.started)}
 
 

@@ -3,9 +3,10 @@
 ``prepare_corpus`` reads the corpus in chunks of lines, encodes the chunks in worker processes and
 writes the results in order, so the output is byte-identical whatever the number of workers and
 memory stays bounded whatever the corpus size. The token stream: each document of
-``corpus.iter_documents`` as its lines encoded one by one (no special tokens), then ``<eod>``;
-``.jsonl`` documents are runs of records with the same ``book`` (or ``doc``) value, text documents
-end at a blank line.
+``corpus.iter_documents`` as its lines encoded one by one, then the document's end: with a
+sentencepiece tokenizer no special token per line and ``<eod>``, with a word-level vocabulary each
+line's ``<eos>`` and one more (``tokenizers.py``); ``.jsonl`` documents are runs of records with the
+same ``book`` (or ``doc``) value, text documents end at a blank line.
 
 A prepared directory::
 
@@ -14,7 +15,7 @@ A prepared directory::
     shard-00000.bin       tokens, little-endian uint16 (vocabulary <= 65536) else int32
     shard-00000.docs.bin  little-endian int64: the end (exclusive, within the shard) of every
                           document whose ``<eod>`` is in the shard
-    tokenizer/            the tokenizer that encoded it (``XLNetTokenizer.from_pretrained``)
+    tokenizer/            the tokenizer that encoded it (``tokenizers.load_tokenizer_dir``)
     stat.json             size and modification time of every shard file when it was written or
                           last verified (a shard whose size or time differs is hashed on open)
     prepare.lock          held (``flock``) by the prepare writing the directory
@@ -62,7 +63,11 @@ except ImportError:  # not POSIX: concurrent prepares of one directory are not s
 from .corpus import check_readable, combine_digests, corpus_digest, decode_line, file_digest, is_jsonl, jsonl_record
 from .errors import UsageError, naming_path
 from .outputs import PREPARED_DIR, check_output_dir
-from .tokenizer import EOD_ID, SPIECE_NAME, TOKENIZER_FILES, XLNetTokenizer
+from ..transfo_xl.tokenizer import VOCAB_TXT
+from .tokenizer import SPIECE_NAME
+from .tokenizers import (ALL_TOKENIZER_FILES, Tokenizer, document_end_id, encode_line, from_worker_spec,
+                         holds_tokenizer, load_tokenizer_dir, tokenizer_digest, tokenizer_source,
+                         worker_spec)
 
 logger = logging.getLogger(__name__)
 
@@ -88,20 +93,6 @@ def docs_name(i: int) -> str:
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id of the vocabulary fits, else int32 (little-endian either way)."""
     return np.dtype("<u2") if vocab_size <= UINT16_VOCAB_LIMIT else np.dtype("<i4")
-
-
-def tokenizer_options(tokenizer: XLNetTokenizer) -> dict:
-    """The options besides the model file that change what ``encode`` returns."""
-    return {"do_lower_case": tokenizer.do_lower_case, "remove_space": tokenizer.remove_space,
-            "keep_accents": tokenizer.keep_accents}
-
-
-def tokenizer_digest(tokenizer: XLNetTokenizer) -> str:
-    """sha256 of the sentencepiece model's bytes and the encoding options."""
-    h = hashlib.sha256(json.dumps(tokenizer_options(tokenizer), sort_keys=True).encode())
-    with open(tokenizer.model_file, "rb") as f:
-        h.update(f.read())
-    return h.hexdigest()
 
 
 def default_workers() -> int:
@@ -185,9 +176,9 @@ class _Encoded:
     keys: list | None
 
 
-def encode_chunk(tokenizer: XLNetTokenizer, chunk: _Chunk) -> _Encoded:
-    """Decode, parse and encode each line of ``chunk`` as ``corpus.iter_documents`` reads it (no
-    special tokens); a bad line raises ``UsageError`` naming the file and line."""
+def encode_chunk(tokenizer: Tokenizer, chunk: _Chunk) -> _Encoded:
+    """Decode, parse and encode each line of ``chunk`` as ``corpus.iter_documents`` reads it
+    (``tokenizers.encode_line``); a bad line raises ``UsageError`` naming the file and line."""
     ids: list[int] = []
     counts: list[int] = []
     blank: list[bool] = []
@@ -206,18 +197,18 @@ def encode_chunk(tokenizer: XLNetTokenizer, chunk: _Chunk) -> _Encoded:
             text = line.strip()
         if keys is not None:
             keys.append(key)
-        line_ids = [] if is_blank else tokenizer.encode(text, add_special_tokens=False)
+        line_ids = [] if is_blank else encode_line(tokenizer, text)
         ids.extend(line_ids)
         counts.append(len(line_ids))
     return _Encoded(np.array(ids, dtype=np.int32), np.array(counts, dtype=np.int64), blank, keys)
 
 
-_worker_tokenizer: XLNetTokenizer | None = None
+_worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(model_file: str, options: dict) -> None:
+def _init_worker(spec: tuple) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = XLNetTokenizer(model_file, **options)
+    _worker_tokenizer = from_worker_spec(spec)
 
 
 def _encode_in_worker(chunk: _Chunk) -> _Encoded:
@@ -239,7 +230,7 @@ def _pool_context() -> multiprocessing.context.BaseContext:
 
 
 @contextlib.contextmanager
-def _encoder(tokenizer: XLNetTokenizer, workers: int) -> Iterator[Callable[[_Chunk], Future]]:
+def _encoder(tokenizer: Tokenizer, workers: int) -> Iterator[Callable[[_Chunk], Future]]:
     """``submit(chunk) -> Future[_Encoded]``: in this process for one worker, else in a pool of
     ``workers`` processes."""
     if workers == 1:
@@ -251,7 +242,7 @@ def _encoder(tokenizer: XLNetTokenizer, workers: int) -> Iterator[Callable[[_Chu
         yield submit
         return
     pool = ProcessPoolExecutor(workers, mp_context=_pool_context(), initializer=_init_worker,
-                               initargs=(tokenizer.model_file, tokenizer_options(tokenizer)))
+                               initargs=(worker_spec(tokenizer),))
     try:
         yield lambda chunk: pool.submit(_encode_in_worker, chunk)
     finally:
@@ -297,11 +288,11 @@ def _document_marks(enc: _Encoded, jsonl: bool, state: Position) -> tuple[list[b
     return eod, open_after, key_after
 
 
-def _sequence_chunk(chunk: _Chunk, enc: _Encoded, state: Position) -> _Piece:
+def _sequence_chunk(chunk: _Chunk, enc: _Encoded, state: Position, eod_id: int) -> _Piece:
     eod, open_after, key_after = _document_marks(enc, chunk.jsonl, state)
     eod_lines = np.flatnonzero(np.array(eod, dtype=bool))
     line_starts = np.cumsum(enc.counts) - enc.counts
-    stream = np.insert(enc.tokens, line_starts[eod_lines], EOD_ID)
+    stream = np.insert(enc.tokens, line_starts[eod_lines], eod_id)
     byte_ends = np.cumsum(np.fromiter(map(len, chunk.lines), dtype=np.int64, count=len(chunk.lines)))
 
     def position(u: int) -> Position:
@@ -313,8 +304,8 @@ def _sequence_chunk(chunk: _Chunk, enc: _Encoded, state: Position) -> _Piece:
                   nbytes=int(byte_ends[-1]), end=position(len(chunk.lines) - 1))
 
 
-def _sequence_source_end(end: _SourceEnd, state: Position) -> _Piece:
-    stream = np.array([EOD_ID] if state.in_document else [], dtype=np.int32)
+def _sequence_source_end(end: _SourceEnd, state: Position, eod_id: int) -> _Piece:
+    stream = np.array([eod_id] if state.in_document else [], dtype=np.int32)
     after = Position(end.source + 1)
     return _Piece(stream=stream, unit_ends=np.array([len(stream)]), doc_ends=np.arange(1, len(stream) + 1),
                   positions=lambda u: after, nbytes=0, end=after)
@@ -453,13 +444,13 @@ class _ShardWriter:
 # --------------------------------------------------------------------------------------------------
 
 
-def _fresh_index(paths: list[str], digests: list[str], tokenizer: XLNetTokenizer, tok_digest: str,
+def _fresh_index(paths: list[str], digests: list[str], tokenizer: Tokenizer, tok_digest: str,
                  shard_tokens: int) -> dict:
     return {
         "format": FORMAT,
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "vocab_size": tokenizer.vocab_size,
-        "eod_id": EOD_ID,
+        "eod_id": document_end_id(tokenizer),
         "tokenizer_sha256": tok_digest,
         "corpus_sha256": combine_digests(digests),
         "sources": [{"path": p, "sha256": d, "bytes": os.path.getsize(p)} for p, d in zip(paths, digests)],
@@ -634,11 +625,11 @@ def _remove_stale_files(directory: str, keep_shards: int) -> None:
             os.remove(os.path.join(directory, name))
 
 
-def _save_tokenizer(directory: str, tokenizer: XLNetTokenizer, digest: str) -> None:
+def _save_tokenizer(directory: str, tokenizer: Tokenizer, digest: str) -> None:
     """``directory/tokenizer``, unless it already holds this tokenizer."""
     final = os.path.join(directory, TOKENIZER_DIR)
     with contextlib.suppress(OSError, ValueError):
-        if tokenizer_digest(XLNetTokenizer.from_pretrained(final)) == digest:
+        if tokenizer_digest(load_tokenizer_dir(final)) == digest:
             return
     tmp = f"{final}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -678,14 +669,14 @@ def owned_by_prepare(name: str, is_dir: bool) -> bool:
     """Whether ``prepare_corpus`` writes the entry ``name`` (a path relative to its output directory)."""
     parts = name.split(os.sep)
     if parts[0] == TOKENIZER_DIR or re.fullmatch(rf"{TOKENIZER_DIR}\.tmp\d+", parts[0]):
-        return is_dir if len(parts) == 1 else (len(parts) == 2 and not is_dir and parts[1] in TOKENIZER_FILES)
+        return is_dir if len(parts) == 1 else (len(parts) == 2 and not is_dir and parts[1] in ALL_TOKENIZER_FILES)
     if is_dir or len(parts) > 1:
         return False
     return bool(_SHARD_FILE.fullmatch(name)) or name in (INDEX_NAME, STAT_NAME, LOCK_NAME) or bool(
         re.fullmatch(rf"({re.escape(INDEX_NAME)}|{re.escape(STAT_NAME)})\.tmp\d+", name))
 
 
-def _check_arguments(paths: list[str], tokenizer: XLNetTokenizer, out_dir: str, workers: int, shard_tokens: int,
+def _check_arguments(paths: list[str], tokenizer: Tokenizer, out_dir: str, workers: int, shard_tokens: int,
                      chunk_bytes: int) -> None:
     for name, value in (("workers", workers), ("shard_tokens", shard_tokens), ("chunk_bytes", chunk_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -693,7 +684,7 @@ def _check_arguments(paths: list[str], tokenizer: XLNetTokenizer, out_dir: str, 
     if not paths:
         raise UsageError("no source files given")
     check_readable(paths)
-    check_output_dir(out_dir, command="data prepare", inputs=[*paths, tokenizer.model_file], kind=PREPARED_DIR,
+    check_output_dir(out_dir, command="data prepare", inputs=[*paths, tokenizer_source(tokenizer)], kind=PREPARED_DIR,
                      owned=owned_by_prepare)
 
 
@@ -721,7 +712,7 @@ class _Progress:
         self.bar.close()
 
 
-def _run(paths: list[str], tokenizer: XLNetTokenizer, writer: _ShardWriter, start: Position, workers: int,
+def _run(paths: list[str], tokenizer: Tokenizer, writer: _ShardWriter, start: Position, workers: int,
          chunk_bytes: int, show_progress: bool) -> Position:
     """Encode the sources from ``start`` and hand the pieces to ``writer`` in order; at most
     2 x ``workers`` chunks are in flight. Returns the position after the last source."""
@@ -729,14 +720,15 @@ def _run(paths: list[str], tokenizer: XLNetTokenizer, writer: _ShardWriter, star
     pending: collections.deque = collections.deque()
     sources = writer.index["sources"]
     done = sum(s["bytes"] for s in sources[:start.source]) + start.offset
+    eod_id = document_end_id(tokenizer)
 
     def consume() -> None:
         nonlocal state
         item, future = pending.popleft()
         if isinstance(item, _Chunk):
-            piece = _sequence_chunk(item, future.result(), state)
+            piece = _sequence_chunk(item, future.result(), state, eod_id)
         else:
-            piece = _sequence_source_end(item, state)
+            piece = _sequence_source_end(item, state, eod_id)
         if isinstance(item, _SourceEnd):  # recorded first: a shard may end with this piece
             writer.index["source_end_tokens"].append(writer.stream_tokens() + len(piece.stream))
         writer.add(piece)
@@ -754,7 +746,7 @@ def _run(paths: list[str], tokenizer: XLNetTokenizer, writer: _ShardWriter, star
     return state
 
 
-def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: XLNetTokenizer, out_dir: str | os.PathLike, *,
+def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: Tokenizer, out_dir: str | os.PathLike, *,
                    workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = False,
                    chunk_bytes: int = CHUNK_BYTES, verify: bool = False) -> "TokenShards":
     """Encode ``paths`` with ``tokenizer`` into ``out_dir`` (see the module docstring) using ``workers``
@@ -776,7 +768,7 @@ def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: XLNetTokenizer
     return TokenShards(out_dir)
 
 
-def _prepare_locked(paths: list[str], tokenizer: XLNetTokenizer, out_dir: str, workers: int, shard_tokens: int,
+def _prepare_locked(paths: list[str], tokenizer: Tokenizer, out_dir: str, workers: int, shard_tokens: int,
                     chunk_bytes: int, progress: bool, verify: bool) -> None:
     """``prepare_corpus``'s work, holding the directory's lock."""
     tok_digest = tokenizer_digest(tokenizer)
@@ -865,7 +857,7 @@ def workers_for(paths: Iterable[str | os.PathLike]) -> int:
     return max(1, min(default_workers(), total // MIN_BYTES_PER_WORKER))
 
 
-def prepared_tokens(paths: list[str], tokenizer: XLNetTokenizer, cache_dir: str, rank: int = 0, world: int = 1,
+def prepared_tokens(paths: list[str], tokenizer: Tokenizer, cache_dir: str, rank: int = 0, world: int = 1,
                     progress: bool = False, digest: str | None = None, verify: bool = False) -> "TokenShards":
     """The tokens of ``paths``: a prepared directory as it is, or text files prepared (by rank 0; the
     others wait, and rank 0's error reaches them) into ``cache_dir/prepared``, keyed by the text's
@@ -911,9 +903,9 @@ class TokenShards:
         problem = index_problem(index)
         if problem is not None:
             raise UsageError(f"{os.path.join(self.directory, INDEX_NAME)}: {problem}: {again}")
-        if not os.path.isfile(os.path.join(self.directory, TOKENIZER_DIR, SPIECE_NAME)):
+        if not holds_tokenizer(os.path.join(self.directory, TOKENIZER_DIR)):
             raise UsageError(f"{os.path.join(self.directory, TOKENIZER_DIR, SPIECE_NAME)} is missing (the tokenizer "
-                             f"that encoded the data): {again}")
+                             f"that encoded the data; a word-level one is {VOCAB_TXT}): {again}")
         self.index = index
         self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
         stats = read_stats(self.directory)
@@ -947,9 +939,9 @@ class TokenShards:
     def num_documents(self) -> int:
         return int(self.index["num_documents"])
 
-    def tokenizer(self) -> XLNetTokenizer:
+    def tokenizer(self) -> Tokenizer:
         """The tokenizer that encoded the data."""
-        return XLNetTokenizer.from_pretrained(os.path.join(self.directory, TOKENIZER_DIR))
+        return load_tokenizer_dir(os.path.join(self.directory, TOKENIZER_DIR))
 
     def tokenizer_dir(self) -> str:
         return os.path.join(self.directory, TOKENIZER_DIR)

@@ -20,7 +20,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 
-from .checkpoint import checkpoint_root, hash_file, list_checkpoints, newest_readable, read_run_record, write_synced
+from .checkpoint import checkpoint_root, list_checkpoints, newest_readable, read_run_record, write_synced
 from .corpus import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
 from .evaluate import check_eval_files
@@ -28,7 +28,8 @@ from .outputs import RUN_DIR, check_output_dir, default_cache_dir
 from .prepare import TOKENIZER_DIR, TokenShards, data_digest, prepared_directory, tokenizer_digest
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
-from .tokenizer import SPIECE_NAME, XLNetTokenizer
+from .models import XLNET
+from .tokenizers import SENTENCEPIECE, load_tokenizer_dir, tokenizer_kind
 
 try:
     import fcntl
@@ -226,7 +227,7 @@ def _data_paths(cfg: TrainConfig, record: dict | None) -> list[str]:
 def _compare_with_checkpoint(cfg: TrainConfig, c: TrainConfig, record: dict, world: int) -> list[str]:
     """Given settings (``cfg``; ``c`` resolved) against the checkpoint's: an error for a fixed one
     that differs or for another global batch, else the changes to apply (``--steps 40 -> 80``)."""
-    stored = record["settings"]
+    stored = {"model": "xlnet", **record["settings"]}  # a run recorded before Transformer-XL trained: an XLNet's
     errors = [f"{setting_flag(n)} {getattr(cfg, n)} differs from the checkpoint's {stored[n]}"
               for n in FIXED_SETTINGS if _differs(getattr(cfg, n), stored.get(n))]
     if errors:
@@ -270,16 +271,28 @@ def _check_steps(c: TrainConfig, start: _Start) -> None:
                      f"{start.step} to train further")
 
 
+def _given_tokenizer(c: TrainConfig):
+    try:
+        return load_tokenizer_dir(c.tokenizer)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--tokenizer {c.tokenizer}: {exc}") from None
+
+
 def _check_tokenizer(c: TrainConfig, start: _Start) -> None:
     if not c.tokenizer:
         return
-    try:
-        model_file = XLNetTokenizer.from_pretrained(c.tokenizer).model_file
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--tokenizer {c.tokenizer}: {exc}") from None
-    if start.path and hash_file(model_file) != hash_file(os.path.join(start.path, SPIECE_NAME)):
+    given = _given_tokenizer(c)
+    _check_tokenizer_kind(c, given, f"--tokenizer {c.tokenizer}")
+    if start.path and tokenizer_digest(given) != tokenizer_digest(load_tokenizer_dir(start.path)):
         raise UsageError(f"--tokenizer {c.tokenizer} differs from the checkpoint's tokenizer "
-                         f"({os.path.join(start.path, SPIECE_NAME)}): it cannot change mid-run")
+                         f"({start.path}): it cannot change mid-run")
+
+
+def _check_tokenizer_kind(c: TrainConfig, tokenizer, source: str) -> None:
+    """XLNet needs its sentencepiece tokenizer (its special ids); Transformer-XL takes either."""
+    if c.model == XLNET and tokenizer_kind(tokenizer) != SENTENCEPIECE:
+        raise UsageError(f"{source} is a word-level vocabulary (Transformer-XL's): --model xlnet needs a sentencepiece "
+                         "tokenizer with XLNet's special ids (xlnet-fast tokenizer train)")
 
 
 def _check_same_data(c: TrainConfig, record: dict | None, digest: str) -> None:
@@ -322,9 +335,9 @@ def _check_data_tokenizer(c: TrainConfig, start: _Start) -> None:
     if directory is None or not (c.tokenizer or start.path):
         return
     if start.path:
-        name, tokenizer = "the checkpoint's tokenizer", XLNetTokenizer(os.path.join(start.path, SPIECE_NAME))
+        name, tokenizer = "the checkpoint's tokenizer", load_tokenizer_dir(start.path)
     else:
-        name, tokenizer = f"--tokenizer {c.tokenizer}", XLNetTokenizer.from_pretrained(c.tokenizer)
+        name, tokenizer = f"--tokenizer {c.tokenizer}", _given_tokenizer(c)
     if tokenizer_digest(tokenizer) != TokenShards(directory).tokenizer_sha256:
         raise UsageError(f"--data {directory} was prepared with another tokenizer than {name} (the data's own is "
                          f"{os.path.join(directory, TOKENIZER_DIR)})" + ("" if start.path else
@@ -379,6 +392,9 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     _check_tokenizer(c, start)
     digest = _check_data(c, record)
     _check_data_tokenizer(c, start)
+    directory = prepared_directory(c.data)
+    if directory is not None and not (c.tokenizer or start.path):
+        _check_tokenizer_kind(c, TokenShards(directory).tokenizer(), f"--data {directory}")
     _check_vocab_size(cfg, c, start)
     eval_digest = None
     if c.eval_data:
@@ -403,7 +419,7 @@ def _check_vocab_size(cfg: TrainConfig, c: TrainConfig, start: _Start) -> None:
         return  # on resume the checkpoint's value is compared with it (FIXED_SETTINGS)
     directory = prepared_directory(c.data)
     if c.tokenizer:
-        source, pieces = f"--tokenizer {c.tokenizer}", XLNetTokenizer.from_pretrained(c.tokenizer).vocab_size
+        source, pieces = f"--tokenizer {c.tokenizer}", _given_tokenizer(c).vocab_size
     elif directory is not None:
         source, pieces = f"the prepared --data {directory}", TokenShards(directory).vocab_size
     else:

@@ -1,4 +1,9 @@
-"""A pretraining run's settings: presets, defaults, which settings a resume may change, their checks."""
+"""A pretraining run's settings: presets, defaults, which settings a resume may change, their checks.
+
+Two models train (``--model``): XLNet's permutation LM (``PRESETS``; records of ``seq_len`` tokens,
+``reuse_len``, ``num_predict``, ``perm_size``, ``bi_data``) and Transformer-XL's causal LM
+(``TRANSFO_XL_PRESETS``; segments of ``tgt_len`` tokens, ``clamp_len``, ``same_length``). A run gives
+only its own model's layout settings: the other model's are an error naming the flag."""
 
 from __future__ import annotations
 
@@ -27,9 +32,37 @@ PRESETS = {
                   lr=4e-4, warmup=40000),
 }
 
+# Transformer-XL (Dai et al. 2019): the model sizes of the paper's WikiText-103 models for base and large,
+# their recipe (Adam without weight decay, cosine decay, clipping at 0.25, tgt_len = mem_len, training
+# without clamp_len and same_length); tiny learns on a CPU in about a minute, small on one GPU.
+# vocab_size: at most that many symbols of a word-level vocabulary built from the data (the cutoffs
+# that are not below the vocabulary's size are dropped).
+_TXL_RECIPE = dict(schedule="cosine", weight_decay=0.0, adam_eps=1e-8, clip=0.25, clamp_len=-1, same_length=False)
+TRANSFO_XL_PRESETS = {
+    "tiny": dict(model=dict(d_model=128, d_embed=128, n_head=4, d_head=32, d_inner=256, n_layer=2, div_val=1,
+                            cutoffs=[500, 1500], dropatt=0.0),
+                 vocab_size=4000, tgt_len=64, mem_len=64, batch_size=16, lr=2.5e-3, warmup=20, steps=600,
+                 **_TXL_RECIPE),
+    "small": dict(model=dict(d_model=256, d_embed=256, n_head=4, d_head=64, d_inner=1024, n_layer=4, div_val=1,
+                             cutoffs=[2000, 10000], dropatt=0.0),
+                  vocab_size=32000, tgt_len=128, mem_len=128, batch_size=32, lr=5e-4, warmup=1000, **_TXL_RECIPE),
+    "base": dict(model=dict(d_model=410, d_embed=410, n_head=10, d_head=41, d_inner=2100, n_layer=16, div_val=1,
+                            cutoffs=[20000, 40000, 200000], dropatt=0.0),
+                 vocab_size=267735, tgt_len=150, mem_len=150, batch_size=60, lr=2.5e-4, warmup=0, **_TXL_RECIPE),
+    "large": dict(model=dict(d_model=1024, d_embed=1024, n_head=16, d_head=64, d_inner=4096, n_layer=18, div_val=4,
+                             cutoffs=[20000, 40000, 200000], dropatt=0.2),
+                  vocab_size=267735, tgt_len=384, mem_len=384, batch_size=128, lr=2.5e-4, warmup=16000, dropout=0.2,
+                  **_TXL_RECIPE),
+}
+MODEL_PRESETS = {"xlnet": PRESETS, "transfo-xl": TRANSFO_XL_PRESETS}
+# each model's own layout settings (a run of the other model refuses them)
+XLNET_ONLY_SETTINGS = ("seq_len", "reuse_len", "num_predict", "perm_size", "bi_data")
+TRANSFO_XL_ONLY_SETTINGS = ("tgt_len", "clamp_len", "same_length")
+MODEL_ONLY_SETTINGS = {"xlnet": XLNET_ONLY_SETTINGS, "transfo-xl": TRANSFO_XL_ONLY_SETTINGS}
+
 # Settings a run cannot change once started (a resume with another value is an error) ...
 FIXED_SETTINGS = ("preset", "vocab_size", "seq_len", "mem_len", "reuse_len", "num_predict", "perm_size",
-                  "bi_data", "grad_accum", "seed", "hold_out")
+                  "bi_data", "grad_accum", "seed", "hold_out", "model", "tgt_len", "clamp_len", "same_length")
 # ... the rows per rank, which may change with the number of ranks as long as the global batch
 # (ranks x batch_size x grad_accum) stays (run_dir checks it) ...
 PER_RANK_SETTINGS = ("batch_size",)
@@ -37,7 +70,7 @@ PER_RANK_SETTINGS = ("batch_size",)
 CHANGEABLE_SETTINGS = ("steps", "lr", "warmup", "schedule", "weight_decay", "adam_eps", "clip", "dropout",
                        "save_every", "keep", "log_every", "fsdp", "eval_data", "eval_every", "eval_batches")
 STORED_SETTINGS = FIXED_SETTINGS + PER_RANK_SETTINGS + CHANGEABLE_SETTINGS  # run.json's "settings"
-DEFAULTS = dict(preset="tiny", steps=40, save_every=0, keep=3, log_every=1, grad_accum=1, bi_data=False,
+DEFAULTS = dict(model="xlnet", preset="tiny", steps=40, save_every=0, keep=3, log_every=1, grad_accum=1, bi_data=False,
                 schedule="linear", weight_decay=0.01, adam_eps=1e-6, clip=1.0, dropout=0.1, seed=0, fsdp=False,
                 eval_every=0, eval_batches=10)
 _NOT_CLI_FLAGS = {"weight_decay", "adam_eps", "clip", "hold_out"}
@@ -53,6 +86,7 @@ class TrainConfig:
     """A pretraining run's settings. ``None``: the checkpoint's value on ``resume``, else the preset's
     (or the default in ``DEFAULTS``)."""
 
+    model: str | None = None  # "xlnet" (permutation LM) or "transfo-xl" (causal LM)
     preset: str | None = None
     data: list[str] | None = None  # default: the checkpoint's on resume, else the demo corpus
     tokenizer: str | None = None  # directory or spiece.model; trained on the data and cached if None
@@ -63,7 +97,10 @@ class TrainConfig:
     log_every: int | None = None
     resume: bool = False
     overwrite: bool = False  # start over in an `out` that holds checkpoints (they are deleted first)
-    seq_len: int | None = None
+    seq_len: int | None = None  # XLNet: tokens per record
+    tgt_len: int | None = None  # Transformer-XL: tokens per segment
+    clamp_len: int | None = None  # Transformer-XL: relative distances clamped there (<= 0: none)
+    same_length: bool | None = None  # Transformer-XL: every token attends to mem_len keys
     mem_len: int | None = None  # 0: no memory
     reuse_len: int | None = None
     num_predict: int | None = None
@@ -102,17 +139,27 @@ class TrainConfig:
 
     def resolved(self, stored: dict | None = None) -> "TrainConfig":
         """A copy with every unset setting filled from ``stored`` (a checkpoint's settings), else from
-        the preset, else from ``DEFAULTS``."""
+        the preset, else from ``DEFAULTS``; the other model's layout settings stay None (given ones
+        are a ``UsageError``)."""
         stored = stored or {}
+        model = self.model or stored.get("model") or DEFAULTS["model"]  # a record without it: an XLNet's
+        if model not in MODEL_PRESETS:
+            raise UsageError(f"--model must be one of {sorted(MODEL_PRESETS)}, got {model!r}")
+        presets = MODEL_PRESETS[model]
         preset = self.preset or stored.get("preset") or DEFAULTS["preset"]
-        if preset not in PRESETS:
-            raise UsageError(f"--preset must be one of {sorted(PRESETS)}, got {preset!r}")
-        c = dataclasses.replace(self, preset=preset)
+        if preset not in presets:
+            raise UsageError(f"--preset must be one of {sorted(presets)} for --model {model}, got {preset!r}")
+        other = [n for m, names in MODEL_ONLY_SETTINGS.items() if m != model for n in names]
+        given = [setting_flag(n) for n in other if getattr(self, n) is not None]
+        if given:
+            own = ", ".join(setting_flag(n) for n in MODEL_ONLY_SETTINGS[model])
+            raise UsageError(f"{', '.join(given)}: not a setting of --model {model} (its layout: {own}, --mem-len)")
+        c = dataclasses.replace(self, model=model, preset=preset)
         for name in STORED_SETTINGS:
-            if getattr(c, name) is None:
+            if getattr(c, name) is None and name not in other:
                 value = stored.get(name)
                 if value is None:
-                    value = PRESETS[preset].get(name, DEFAULTS.get(name))
+                    value = presets[preset].get(name, DEFAULTS.get(name))
                 setattr(c, name, value)
         if c.hold_out is None:  # a fresh run holds out text unless given some; an older run's record has none
             c.hold_out = not c.eval_data if not stored else False
@@ -135,12 +182,16 @@ def _real(low: float, inclusive: bool, high: float = math.inf) -> Callable[[obje
 
 
 _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "model": (lambda v: v in MODEL_PRESETS, f"one of {sorted(MODEL_PRESETS)}"),
     "preset": (lambda v: v in PRESETS, f"one of {sorted(PRESETS)}"),
     "steps": (_integer(1), "a positive integer"),
     "save_every": (_integer(0), "0 (save at the end only) or a positive integer"),
     "keep": (_integer(0), "0 (keep all) or a positive integer"),
     "log_every": (_integer(1), "a positive integer"),
     "seq_len": (_integer(1), "a positive integer"),
+    "tgt_len": (_integer(1), "a positive integer"),
+    "clamp_len": (_integer(-(2**31)), "an integer (<= 0: no clamp)"),
+    "same_length": (lambda v: isinstance(v, bool), "True or False"),
     "mem_len": (_integer(0), "0 (no memory) or a positive integer"),
     "reuse_len": (_integer(1), "a positive integer"),
     "num_predict": (_integer(1), "a positive integer"),
@@ -168,8 +219,16 @@ _RULES: dict[str, tuple[Callable[[object], bool], str]] = {
 
 def check_settings(c: TrainConfig) -> None:
     """``UsageError`` naming the first setting of a resolved config with an invalid value."""
+    other = [n for m, names in MODEL_ONLY_SETTINGS.items() if m != c.model for n in names]
     for name, (ok, what) in _RULES.items():
         value = getattr(c, name)
+        if name in other:
+            continue  # the other model's (resolved() refused given ones)
+        if name == "vocab_size" and c.model == "transfo-xl":
+            ok, what = _integer(3), "an integer above 2 (<eos>, <unk> and a word)"
+        if name == "preset" and c.model in MODEL_PRESETS:
+            presets = MODEL_PRESETS[c.model]
+            ok, what = (lambda v: v in presets), f"one of {sorted(presets)} for --model {c.model}"
         if not ok(value):
             raise UsageError(f"{setting_flag(name)} must be {what}, got {value!r}")
     if c.resume and c.overwrite:
@@ -183,6 +242,11 @@ def data_config(c: TrainConfig) -> DataConfig:
 
 def check_layout(c: TrainConfig, world: int) -> None:
     """The settings that must agree with each other (record layout, global batch)."""
+    if c.model == "transfo-xl":
+        if c.same_length and c.mem_len == 0:
+            raise UsageError("--same-length makes every token attend to its last --mem-len keys: it needs "
+                             "--mem-len > 0")
+        return
     data_config(c).check(name=setting_flag)
     if c.bi_data and (c.batch_size * world) % 2:
         raise UsageError(f"--bi-data needs an even global batch, got --batch-size {c.batch_size} x {world} "

@@ -5,7 +5,8 @@ The state (nested, flattened by DCP into ``model.<name>``, ``optim.<...>``, ``ro
 
 - ``model``, ``optim``: ``get_state_dict`` of the model and AdamW — under FSDP2 each rank's shards
   (DTensors), no gather; DCP reshards them on load for any number of ranks, FSDP2, DDP or one process.
-- ``rows.G``: global batch row G's data position and random generator (``data``, JSON) and its mems
+- ``rows.G``: global batch row G's data position and random generator (``data``, JSON: the batches'
+  ``row_state``) and its mems
   (``mems``, ``(n_layer, mlen, d_model)``): saved by the rank that owns row G, loaded by whichever
   rank owns it now (rank r owns rows ``[r * batch_size, (r + 1) * batch_size)``).
 - ``ranks.R``: rank R's torch (and CUDA) RNG — the dropout's. Restored on the same number of ranks;
@@ -77,12 +78,11 @@ def _rng_entries() -> dict[str, torch.Tensor]:
 
 
 def _row_entries(batches, mems: list[torch.Tensor] | None) -> dict[str, dict]:
-    """``{str(global row): {"data": JSON position and generator, "mems": (n_layer, mlen, d)}}`` of
-    this rank's rows; ``mems`` are per layer ``(mlen, rows, d)``."""
-    data = batches.state_dict()
+    """``{str(global row): {"data": JSON position (and generator), "mems": (n_layer, mlen, d)}}`` of
+    this rank's rows (``batches.row_state``); ``mems`` are per layer ``(mlen, rows, d)``."""
     rows = {}
     for i, g in enumerate(batches.row_ids):
-        row = {"data": json.dumps({"pos": int(data["pos"][g]), "rng": data["rng"][g]})}
+        row = {"data": json.dumps(batches.row_state(g))}
         if mems is not None:
             row["mems"] = torch.stack([m[:, i] for m in mems])
         rows[str(g)] = row
@@ -290,11 +290,7 @@ def _filesystem_writer(path: str) -> dcp.FileSystemWriter:
 def _load_rows(rows: dict[str, dict], batches, device) -> list[torch.Tensor] | None:
     """Data positions and generators into ``batches``; the rows' mems as per-layer ``(mlen, rows, d)``
     on ``device`` (None without memory)."""
-    pos, rng = {}, {}
-    for g in batches.row_ids:
-        data = json.loads(rows[str(g)]["data"])
-        pos[g], rng[g] = data["pos"], data["rng"]
-    batches.load_state_dict({"pos": pos, "rng": rng})
+    batches.load_row_states({g: json.loads(rows[str(g)]["data"]) for g in batches.row_ids})
     per_row = [rows[str(g)].get("mems") for g in batches.row_ids]
     if device is None or any(m is None for m in per_row):
         return None

@@ -102,10 +102,12 @@ def _how_to_lines(result: dict) -> list[str]:
     out, ckpt = result["out"], result.get("checkpoint")
     if ckpt is None:
         return [f"checkpoints: none in {os.path.join(out, 'checkpoints')}"]
+    cls = result.get("model_class", "XLNetLMHeadModel")
+    whose = "xlnet_fast's or transformers'" if cls == "XLNetLMHeadModel" else "xlnet_fast's or transformers 4.x's"
     return [
         f"checkpoints: {os.path.dirname(ckpt)} (newest: {os.path.basename(ckpt)})",
-        f"load: xlnet-fast export {ckpt} --out DIR, then XLNetLMHeadModel.from_pretrained(DIR) (xlnet_fast's or "
-        f"transformers'); in Python: xlnet_fast.pretrain.checkpoint.load_model_weights(model, {ckpt!r})",
+        f"load: xlnet-fast export {ckpt} --out DIR, then {cls}.from_pretrained(DIR) ({whose}); in Python: "
+        f"xlnet_fast.pretrain.checkpoint.load_model_weights(model, {ckpt!r})",
         f"resume: xlnet-fast pretrain --out {out} --resume" + ("" if result.get("preempted") else " --steps N"),
         f"evaluate: xlnet-fast eval --model {ckpt}   export: xlnet-fast export {out} --out DIR",
     ]

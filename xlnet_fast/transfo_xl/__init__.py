@@ -10,6 +10,7 @@ original ``eval.py``).
 from .config import TransfoXLConfig
 from .model import (TransfoXLLMHeadModel, TransfoXLLMHeadModelOutput, TransfoXLModel, TransfoXLModelOutput,
                     TransfoXLPreTrainedModel, is_transfo_xl_dir)
+from .tokenizer import TransfoXLTokenizer
 
 __all__ = ["TransfoXLConfig", "TransfoXLModel", "TransfoXLLMHeadModel", "TransfoXLPreTrainedModel",
-           "TransfoXLModelOutput", "TransfoXLLMHeadModelOutput", "is_transfo_xl_dir"]
+           "TransfoXLModelOutput", "TransfoXLLMHeadModelOutput", "TransfoXLTokenizer", "is_transfo_xl_dir"]

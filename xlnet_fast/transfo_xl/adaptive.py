@@ -31,6 +31,20 @@ def cluster_width(d_embed: int, div_val: int, i: int) -> int:
     return d_embed // div_val**i
 
 
+def rows_by_cluster(ids: Tensor, bounds: list[tuple[int, int]]) -> list[Tensor]:
+    """For each cluster, the positions of ``ids (N,)`` in it, ascending; ids in no cluster (-100) are
+    in none. One read of the clusters' sizes on the host (the original and transformers 4.x read
+    one per cluster); every cluster gets its tensor, empty ones too, so every cluster's weights
+    take part in the autograd graph of each call (DDP needs every parameter in every step)."""
+    cutoffs = torch.tensor([hi for _, hi in bounds[:-1]], dtype=ids.dtype, device=ids.device)
+    ids = ids.contiguous()
+    cluster = torch.bucketize(ids, cutoffs, right=True)  # 0 .. len(bounds) - 1 for ids in [0, vocab)
+    cluster = torch.where((ids < 0) | (ids >= bounds[-1][1]), len(bounds), cluster)
+    order = torch.argsort(cluster, stable=True)
+    sizes = torch.bincount(cluster, minlength=len(bounds) + 1).tolist()
+    return list(order.split(sizes))[:len(bounds)]
+
+
 class AdaptiveEmbedding(nn.Module):
     """Token ids ``(...)`` -> embeddings ``(..., d_proj)``, scaled by ``sqrt(d_proj)``.
 
@@ -63,11 +77,10 @@ class AdaptiveEmbedding(nn.Module):
             return embed * self.emb_scale
         flat = ids.reshape(-1)
         embed = self.emb_projs[0].new_zeros(flat.shape[0], self.d_proj)
-        for (lo, hi), table, proj in zip(self.bounds, self.emb_layers, self.emb_projs):
-            rows = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
-            if rows.numel():
-                # in the weights' dtype: under autocast F.linear gives the autocast dtype
-                embed = embed.index_put((rows,), F.linear(table(flat[rows] - lo), proj).to(embed.dtype))
+        for (lo, hi), table, proj, rows in zip(self.bounds, self.emb_layers, self.emb_projs,
+                                               rows_by_cluster(flat, self.bounds)):
+            # in the weights' dtype: under autocast F.linear gives the autocast dtype
+            embed = embed.index_put((rows,), F.linear(table(flat[rows] - lo), proj).to(embed.dtype))
         return embed.view(*ids.shape, self.d_proj) * self.emb_scale
 
 
@@ -133,13 +146,11 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
     def nll(self, hidden: Tensor, target: Tensor) -> Tensor:
         """``(N,)`` negative log-likelihood (float32 or float64) of ``target (N,)``; 0 where the target is -100.
-        Each tail cluster's scores are computed only for the rows whose target is in it."""
+        Each tail cluster's scores are computed only for the rows whose target is in it
+        (``rows_by_cluster``: one host read per call)."""
         head = self._log_softmax(hidden, 0)
         out = head.new_zeros(target.shape[0])
-        for i, (lo, hi) in enumerate(self.bounds):
-            rows = ((target >= lo) & (target < hi)).nonzero().squeeze(1)
-            if not rows.numel():
-                continue
+        for i, ((lo, hi), rows) in enumerate(zip(self.bounds, rows_by_cluster(target, self.bounds))):
             if i == 0:
                 logp = head[rows, target[rows]]
             else:

@@ -32,6 +32,8 @@ _SAFE_GLOBALS = {("collections", "Counter"): collections.Counter,
                  ("builtins", "set"): set, ("builtins", "frozenset"): frozenset}
 _NUMBER_SPLIT = (re.compile(r"(?<=\d)[,.](?=\d)"), r" @\g<0>@ ")
 _NUMBER_JOIN = ((re.compile(r" @\,@ "), ","), (re.compile(r" @\.@ "), "."))
+_WORD_OR_MARK = re.compile(r"\w+|[^\w\s]")  # split_punctuation: words, and each other mark on its own
+_SPACE_BEFORE_MARK = re.compile(r" ([.,;:!?')\]}])")
 _warned: set[str] = set()
 
 
@@ -114,11 +116,13 @@ class TransfoXLTokenizer:
     idx2sym: the symbols, by id. lower_case: lower-case the text first. delimiter: the original
     split (None: whitespace; ``""``: characters). unk_token/eos_token: the unknown and end-of-line
     symbols. moses: tokenize with sacremoses as 4.x (None: when it is installed).
+    split_punctuation: without Moses, split at whitespace and put every mark that is not a letter or
+    a digit on its own (``earth.`` -> ``earth .``), as Moses does for most text (``from_corpus``).
     """
 
     def __init__(self, idx2sym: list[str], lower_case: bool = False, delimiter: str | None = None,
                  unk_token: str = "<unk>", eos_token: str = "<eos>", special: list[str] | None = None,
-                 language: str = "en", moses: bool | None = None):
+                 language: str = "en", moses: bool | None = None, split_punctuation: bool = False):
         if not idx2sym:
             raise ValueError("the vocabulary is empty")
         self.idx2sym = list(idx2sym)
@@ -129,6 +133,9 @@ class TransfoXLTokenizer:
         self.unk_token, self.eos_token, self.special = unk_token, eos_token, list(special or [])
         self.unk_id = next((self.sym2idx[s] for s in (unk_token, "<unk>", "<UNK>") if s in self.sym2idx), None)
         self.eos_id = self.sym2idx.get(eos_token)
+        self.moses = moses  # as given: None (when sacremoses is installed), True or False
+        self.split_punctuation = bool(split_punctuation)
+        self.name_or_path: str | None = None  # the directory it was read from
         self._moses = self._moses_tools(moses)
 
     # -- loading and saving ------------------------------------------------------------------------
@@ -156,9 +163,34 @@ class TransfoXLTokenizer:
                     options.setdefault(key, state[key])
         else:
             idx2sym = _read_symbols(path)
-        keep = {"lower_case", "delimiter", "unk_token", "eos_token", "special", "language"}
+        keep = {"lower_case", "delimiter", "unk_token", "eos_token", "special", "language", "moses",
+                "split_punctuation"}
         options = {k: _plain_token(v) for k, v in options.items() if k in keep}
-        return cls(idx2sym, **{**options, **kwargs})
+        tokenizer = cls(idx2sym, **{**options, **kwargs})
+        tokenizer.name_or_path = directory
+        return tokenizer
+
+    @classmethod
+    def from_corpus(cls, lines, vocab_size: int | None = None, lower_case: bool = False,
+                    split_punctuation: bool = True) -> "TransfoXLTokenizer":
+        """A vocabulary built from text lines as the original code's ``build_vocab``: ``<eos>`` and
+        ``<unk>`` first, then the symbols by descending count (ties in order of first appearance), at
+        most ``vocab_size`` in all (the rest become ``<unk>``). Split at whitespace and, with
+        ``split_punctuation``, at marks, never with Moses (``moses=False``, saved): the same ids
+        wherever it is read (raw text; WikiText-style text comes split already)."""
+        special = ["<eos>", "<unk>"]
+        if vocab_size is not None and vocab_size < len(special) + 1:
+            raise ValueError(f"vocab_size must be at least {len(special) + 1} (<eos>, <unk> and a word), "
+                             f"got {vocab_size}")
+        options = dict(lower_case=lower_case, special=special, moses=False, split_punctuation=split_punctuation)
+        splitter = cls(list(special), **options)
+        counts: collections.Counter = collections.Counter()
+        for line in lines:
+            counts.update(splitter.tokenize(line))
+        words = [w for w, _ in counts.most_common() if w not in special]
+        if vocab_size is not None:
+            words = words[:vocab_size - len(special)]
+        return cls(special + words, **options)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """``vocab.txt`` and ``tokenizer_config.json`` (transformers 4.x's ``TransfoXLTokenizer`` reads
@@ -172,6 +204,10 @@ class TransfoXLTokenizer:
         config = {"tokenizer_class": "TransfoXLTokenizer", "lower_case": self.lower_case, "delimiter": self.delimiter,
                   "unk_token": self.unk_token, "eos_token": self.eos_token, "special": self.special,
                   "language": self.language}
+        if self.moses is not None:  # how text is split, when it was chosen (4.x always uses Moses)
+            config["moses"] = self.moses
+        if self.split_punctuation:
+            config["split_punctuation"] = True
         with open(os.path.join(directory, CONFIG_NAME), "w") as f:
             json.dump(config, f, indent=2)
 
@@ -215,6 +251,8 @@ class TransfoXLTokenizer:
                                        escape=False, protected_patterns=[self.eos_token, self.unk_token])
             pattern, repl = _NUMBER_SPLIT
             symbols = [part for w in words for part in pattern.sub(repl, w).split()]
+        elif self.split_punctuation and self.delimiter is None:
+            symbols = _WORD_OR_MARK.findall(line)
         else:
             symbols = line.split(self.delimiter)
         return symbols + [self.eos_token] if add_eos else symbols
@@ -241,6 +279,8 @@ class TransfoXLTokenizer:
     def decode(self, ids) -> str:
         tokens = self.convert_ids_to_tokens(ids)
         text = self._moses[2].detokenize(tokens) if self._moses is not None else " ".join(tokens)
+        if self._moses is None and self.split_punctuation:
+            text = _SPACE_BEFORE_MARK.sub(r"\1", text)
         return detokenize_numbers(text).strip()
 
     def __call__(self, text: str, return_tensors: str | None = None) -> dict:
