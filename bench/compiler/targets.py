@@ -52,8 +52,8 @@ SHORTFALLS: dict = {
         # dropout target <= 1.35x: 32-row mma.sync tiles of 4 warps (warps side by side along the
         # keys: each Philox call's bytes cross warps, bench/NOTES.md change 8): the forward's 32x64
         # tiles (1.37-1.44x) and dQ's 32x32 ones (1.37-1.43x, its build without dropout gained more)
-        (80, 64, "dq"): {"dropout": 1.45},
-        (80, 64, "fwd"): {"dropout": 1.5},
+        (80, 64, "dq"): {"dropout": 1.45},  # measured 6.8
+        (80, 64, "fwd"): {"dropout": 1.5},  # measured 3.7
         (86, 64, "dq"): {"dropout": 1.45},
         (89, 64, "dq"): {"dropout": 1.45},
         (80, 128, "dq"): {"dropout": 1.45},
@@ -64,12 +64,17 @@ SHORTFALLS: dict = {
         (86, 128, "fwd"): {"dropout": 1.45},
         (89, 128, "fwd"): {"dropout": 1.45},
         # sm_90: 32-row tiles cannot use wgmma (64 rows a warpgroup); dQ's spill-free config is
-        # 32x32w4s1 (mma.sync, 2.83x); D=128's forward 32x64w4s1
+        # 32x32w4s1 (mma.sync, 2.83x)
         (90, 64, "dkr"): {"mma": "mma.sync"},
-        (90, 64, "dq"): {"mma": "mma.sync", "dropout": 1.45},
+        (90, 64, "dq"): {"mma": "mma.sync", "dropout": 1.45},  # measured 17.81
         (90, 128, "dkr"): {"mma": "mma.sync"},
         (90, 128, "dq"): {"mma": "mma.sync", "dropout": 1.45},
-        (90, 128, "fwd"): {"mma": "mma.sync", "dropout": 1.5},
+        # the dropout seed read from device memory into the Philox counter (graph-safe dropout,
+        # issue 33; bench/NOTES.md): sm_86/89's 64x64 forward 1.35 -> 1.36x, and sm_90 dK/dV's
+        # 64x64w4s2 16 B of spill with dropout, which leaves 32x64w4s1 (3.03x) the best spill-free one
+        (86, 64, "fwd"): {"dropout": 1.37},
+        (89, 64, "fwd"): {"dropout": 1.37},
+        (90, 64, "dkdv"): {"ratio": 3.05},  # measured 3.28
         # sm_100 D=128 dk_r: spill-free 32x32w4s1 (mma.sync, 2.55x) before tcgen05's 32x64w4s1 (60 B)
         (100, 128, "dkr"): {"mma": "mma.sync"},
         (120, 64, "dq"): {"dropout": 1.45},
@@ -77,12 +82,12 @@ SHORTFALLS: dict = {
     },
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
         # 32x32w4s1r255: 16 B with dropout, dropout 1.41x; targets 0 B, 1.35x
-        (80, 64, "dq"): {"spill": 32, "dropout": 1.45},
+        (80, 64, "dq"): {"spill": 32, "dropout": 1.45},  # measured 6.76
         (80, 64, "fwd"): {"dropout": 1.55},  # 1.48x at 32x64; target 1.35x
         # 32x32w4s1 (mma.sync), 2.94x: 56 B of spill with dropout, where the product carried through
         # the key loop costs triton 3.9 registers (3.6: spill-free); targets wgmma, 0 B
-        (90, 64, "dq"): {"mma": "mma.sync", "spill": 64},
-    },
+        (90, 64, "dq"): {"mma": "mma.sync", "spill": 64},  # measured 3.56
+    },  # measured 16.93
 }
 
 
@@ -93,8 +98,22 @@ SHORTFALLS: dict = {
 # those; the model's raw ratio over-predicts the measured ones by ~2x (the reference runs further
 # from its bound than ours), so these ceilings hold the kernels where they are, not at the targets.
 PREDICTED_CEILINGS: dict = {
-    "3.6": {},
-    "3.9": {},
+    "3.6": {  # the committed records (2026-11-26, after issue 33's kernel changes); measured:
+        (80, 64, "fwd"): 3.89,  # 3.7
+        (80, 64, "dkdv"): 2.25,  # 2.14
+        (80, 64, "dq"): 7.14,  # 6.8
+        (90, 64, "fwd"): 8.56,  # 8.15
+        (90, 64, "dkdv"): 3.45,  # 3.28
+        (90, 64, "dq"): 18.71,  # 17.81
+    },
+    "3.9": {  # CI's compile of sm_80 and sm_90 (2026-11-26); measured:
+        (80, 64, "fwd"): 3.74,  # 3.56
+        (80, 64, "dkdv"): 2.27,  # 2.16
+        (80, 64, "dq"): 7.1,  # 6.76
+        (90, 64, "fwd"): 8.45,  # 8.04
+        (90, 64, "dkdv"): 3.26,  # 3.1
+        (90, 64, "dq"): 17.78,  # 16.93
+    },
 }
 
 
@@ -407,7 +426,7 @@ def regressions(s: dict, all_candidates: bool = True, version: str | None = None
     arch, D, role = s["arch"], s["D"], s["role"]
     limit = limits(arch, D, role, version)
     if s.get("dtype", "bf16") != "bf16":  # the targets are for bf16: fp32 builds get the per-config checks
-        limit.update(ratio=None, spill=None, dropout=math.inf, launchable=0, mma=None)
+        limit.update(ratio=None, spill=None, dropout=math.inf, launchable=0, mma=None, predicted_ratio=None)
     found = [f"{c['config']}: {c['errors']} binaries failed to compile" for c in s["configs"] if c["errors"]]
     found += [f"{c['config']}: register cliff ({c['regs']} registers, {c['spill_bytes']} B of spill)"
               for c in s["configs"] if c["cliff"]]
