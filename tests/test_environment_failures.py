@@ -46,7 +46,7 @@ def test_prepare_export_and_tokenizer_on_a_full_disk(run_dir, corpus, tmp_path):
     prepare_corpus([corpus], tok, tmp_path / "data", workers=1)  # the tokenizer is in place: shards fail below
     other = write_corpus(tmp_path / "other.txt", seed=1)
     res = xlnet_fast("data", "prepare", other, "--tokenizer", run_dir / "checkpoints" / "step_0000001", "--out",
-                     tmp_path / "data", "--shard-tokens", "4000", "--no-progress", max_file_bytes=3_000)
+                     tmp_path / "data", "--shard-tokens", "4000", "--no-progress", "--overwrite", max_file_bytes=3_000)
     assert res.returncode == 1 and str(tmp_path / "data" / "shard-00000") in error_line(res.stderr)
     assert not [n for n in os.listdir(tmp_path / "data") if ".tmp" in n]
     with pytest.raises(UsageError, match="did not finish"):

@@ -217,7 +217,7 @@ def test_prepared_data_is_reused_and_a_changed_source_is_detected(corpus, tok, t
     src.write_text("earth created heaven and god\n\ngood was light\n")  # same size
     os.utime(src, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     with caplog.at_level(logging.WARNING):
-        again = prepare_corpus([src], tok, out, workers=1, shard_tokens=4)[:]
+        again = prepare_corpus([src], tok, out, workers=1, shard_tokens=4, overwrite=True)[:]
     assert "out of date" in caplog.text and "src.txt differs from the prepared source" in caplog.text
     fresh = prepare_corpus([src], tok, tmp_path / "fresh", workers=1, shard_tokens=4)
     assert not np.array_equal(again, first) and np.array_equal(again, fresh[:])
@@ -227,13 +227,18 @@ def test_prepared_data_is_reused_and_a_changed_source_is_detected(corpus, tok, t
 def test_other_settings_make_the_data_out_of_date(prepared, corpus, tok, tmp_path, caplog):
     out = tmp_path / "data"
     prepare_corpus(corpus, tok, out, workers=1, shard_tokens=SHARD, chunk_bytes=CHUNK)
-    with caplog.at_level(logging.WARNING):
+    before = output_files(out)
+    with pytest.raises(UsageError, match="already holds prepared data that is out of date .*shard_tokens 700 differs "
+                       "from 1400.*pass --overwrite"):
         prepare_corpus(corpus, tok, out, workers=1, shard_tokens=SHARD * 2, chunk_bytes=CHUNK)
+    assert output_files(out) == before  # refused before anything was written
+    with caplog.at_level(logging.WARNING):
+        prepare_corpus(corpus, tok, out, workers=1, shard_tokens=SHARD * 2, chunk_bytes=CHUNK, overwrite=True)
     assert "its shard_tokens 700 differs from 1400" in caplog.text
     caplog.clear()
     lowered = XLNetTokenizer(tok.model_file, do_lower_case=True)
     with caplog.at_level(logging.WARNING):
-        prepare_corpus(corpus, lowered, out, workers=1, shard_tokens=SHARD * 2, chunk_bytes=CHUNK)
+        prepare_corpus(corpus, lowered, out, workers=1, shard_tokens=SHARD * 2, chunk_bytes=CHUNK, overwrite=True)
     assert "another tokenizer" in caplog.text
     assert TokenShards(out).tokenizer().do_lower_case
 

@@ -38,9 +38,8 @@ EXPORT_FILES = ("config.json", "model.safetensors", *ALL_TOKENIZER_FILES)
 
 
 def _check_out(source: str, out: str, overwrite: bool) -> None:
-    check_output_dir(out, command="export", inputs=[source], owned=lambda name, is_dir: name in EXPORT_FILES)
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise UsageError(f"--out {out} is not empty: pass --overwrite to replace it")
+    check_output_dir(out, command="export", inputs=[source], owned=lambda name, is_dir: name in EXPORT_FILES,
+                     overwrite=overwrite)
 
 
 def _save_safetensors(state: dict, path: str) -> None:

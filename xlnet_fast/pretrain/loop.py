@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +35,7 @@ from .models import XLNET
 from .objective import objective_for
 from .plot import plot_at_end
 from .prepare import TokenShards, prepared_directory, prepared_tokens
-from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, plan_run
+from .run_dir import METRICS_NAME, MetricsLog, RunLock, RunPlan, cache_root, open_run_dir, plan_run
 from .settings import TrainConfig, check_settings
 from .sharded import CheckpointWriter, restore_training_state
 from .tokenizer import SPIECE_NAME, XLNetTokenizer
@@ -194,7 +195,10 @@ class _Preemption:
 class Trainer:
     """One rank's model, optimizer, data and loop for a planned run."""
 
-    def __init__(self, plan: RunPlan, rank: int, world: int, device: torch.device) -> None:
+    def __init__(self, plan: RunPlan, rank: int, world: int, device: torch.device,
+                 open_out: Callable[[], None] | None = None) -> None:
+        """``open_out``: rank 0's creation and tidying of the run directory, called (on every rank, a
+        collective) once the tokenizer, the data and the evaluation text are set up."""
         self.started = time.perf_counter()  # the session's wall time counts the set-up too
         c = self.c = plan.config
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
@@ -205,6 +209,7 @@ class Trainer:
         self.tokenizer = _prepare_tokenizer(c, plan, rank, world)
         self.batches, heldout = _prepare_batches(c, plan, self.tokenizer, rank, world)
         self.evaluator = self.objective.evaluator(c, self.tokenizer, heldout, cache_root(c), rank, world)
+        from_rank0(open_out or (lambda: None), rank, world)  # --out is written only now: the data is good
         self.raw_model = self._build_model()
         self.meter, self.mfu_note = self.objective.throughput(c, self.raw_model.config, world, device)
         if rank == 0:
@@ -398,7 +403,7 @@ def pretrain(cfg: TrainConfig) -> dict:
     lock = RunLock(cfg.out) if rank == 0 else None
     try:
         plan = from_rank0(lambda: plan_run(cfg, lock, world), rank, world)
-        result = Trainer(plan, rank, world, device).run()
+        result = Trainer(plan, rank, world, device, open_out=lambda: open_run_dir(plan, lock)).run()
         if rank == 0:
             result["plot"] = plot_at_end(plan.config.out)
         return result

@@ -5,11 +5,15 @@ written.
 - It never is or sits inside a directory that another command owns — a pretraining run, a training
   checkpoint, prepared data — except the command's own kind at the output itself (``data prepare``
   continuing its prepared directory, ``pretrain`` its run).
-- A command that replaces its output directory (``export``, ``data prepare``, ``tokenizer train``)
-  takes a new or empty directory, or one holding only what that command writes (``owned``): a
-  directory with any other file is refused, with or without ``--overwrite``, and ``--overwrite`` (or
-  preparing again) replaces only the command's own files. ``pretrain`` never replaces its run
-  directory; it deletes only its own entries (``checkpoints/step_N``, ``metrics.jsonl``).
+- Every command that writes a directory (``tokenizer train``, ``data prepare``, ``export``,
+  ``pretrain``) writes into a new or empty one. One that holds an earlier output of the same command
+  is replaced only with ``--overwrite``, and continued only where the command continues its own
+  work on the same inputs (``pretrain --resume``; ``data prepare`` of the same files, tokenizer and
+  shard size, which resumes or repairs it): ``refuse_earlier_output``, the one check and message.
+- A command replaces only its own files (``owned``): ``export``, ``data prepare`` and ``tokenizer
+  train`` refuse a directory holding any other file, with or without ``--overwrite``; ``pretrain``
+  never replaces its run directory and deletes only its own entries (``checkpoints/step_N``,
+  ``metrics.jsonl``).
 
 A refusal is a ``UsageError`` naming the flag, the path and the reason.
 
@@ -96,10 +100,12 @@ def _foreign_entry(out: str, owned: Owned) -> str | None:
 
 
 def check_output_dir(out: str | os.PathLike, *, command: str, flag: str = "--out", inputs: Iterable = (),
-                     kind: str | None = None, owned: Owned | None = None) -> None:
+                     kind: str | None = None, owned: Owned | None = None, overwrite: bool | None = None) -> None:
     """Apply the module's rule to the output directory ``out`` of ``command`` (``xlnet-fast export``
     ...): ``inputs`` are the paths it reads, ``kind`` the owned kind it may continue at ``out``
-    itself, ``owned`` what it writes there (None: it never replaces ``out``)."""
+    itself, ``owned`` what it writes there (None: it never replaces ``out``). ``overwrite`` (not None):
+    whether an earlier output of the command in ``out`` may be replaced (``refuse_earlier_output``);
+    None leaves that to the caller (a command that continues its own output)."""
     out = os.fspath(out)
     if os.path.lexists(out) and not os.path.isdir(out):
         raise UsageError(f"{flag} {out} is a file, not a directory")
@@ -116,6 +122,22 @@ def check_output_dir(out: str | os.PathLike, *, command: str, flag: str = "--out
         if foreign is not None:
             raise UsageError(f"{flag} {out} holds {os.path.join(out, foreign)}, which {command} did not write: "
                              f"{command} replaces only its own files; choose a new or empty {flag}")
+    if overwrite is not None and os.path.isdir(out):
+        earlier = sorted(os.listdir(out))  # only the command's own files (checked above)
+        found = ", ".join(earlier[:3]) + (", ..." if len(earlier) > 3 else "") if earlier else None
+        refuse_earlier_output(out, command=command, found=found, overwrite=overwrite, flag=flag)
+
+
+def refuse_earlier_output(out: str | os.PathLike, *, command: str, found: str | None, overwrite: bool,
+                          flag: str = "--out", resume: str | None = None) -> None:
+    """The one rule for an output directory holding an earlier output of the same command (``found``
+    says what, None: it holds none): a ``UsageError`` unless ``overwrite``; ``resume``: the flag that
+    continues that output instead, when the command has one."""
+    if found is None or overwrite:
+        return
+    hint = f"pass {resume} to continue it or --overwrite to replace it" if resume else "pass --overwrite to replace it"
+    raise UsageError(f"{flag} {os.fspath(out)} already holds {found} from an earlier {command}: {hint} (or choose "
+                     f"another {flag})")
 
 
 def check_output_file(out: str | os.PathLike, *, command: str, flag: str = "--out", inputs: Iterable = (),

@@ -22,8 +22,10 @@ A prepared directory::
 
 Shards hold at least ``shard_tokens`` tokens (the last one fewer) and end after a whole source line;
 the index records where in the sources each ends, so an interrupted prepare resumes after the last
-complete shard. A source whose content changed (sha256) invalidates the directory: it is prepared
-again, with a warning saying why. ``TokenShards`` memory-maps the shards as one token sequence.
+complete shard. A source whose content changed (sha256), another tokenizer or shard size make the
+directory out of date: it is prepared again only with ``overwrite`` (``--overwrite``; the cache's
+directories always), with a warning saying why, else refused. ``TokenShards`` memory-maps the shards as
+one token sequence.
 
 Prepared data is verified when it is opened: always the index (its keys), the tokenizer, every shard
 file's presence and size; the sha256 of the shards whose size or modification time differs from
@@ -62,7 +64,7 @@ except ImportError:  # not POSIX: concurrent prepares of one directory are not s
 
 from .corpus import check_readable, combine_digests, corpus_digest, decode_line, file_digest, is_jsonl, jsonl_record
 from .errors import UsageError, naming_path
-from .outputs import PREPARED_DIR, check_output_dir
+from .outputs import PREPARED_DIR, check_output_dir, refuse_earlier_output
 from ..transfo_xl.tokenizer import VOCAB_TXT
 from .tokenizer import SPIECE_NAME
 from .tokenizers import (ALL_TOKENIZER_FILES, Tokenizer, document_end_id, encode_line, from_worker_spec,
@@ -748,31 +750,44 @@ def _run(paths: list[str], tokenizer: Tokenizer, writer: _ShardWriter, start: Po
 
 def prepare_corpus(paths: Iterable[str | os.PathLike], tokenizer: Tokenizer, out_dir: str | os.PathLike, *,
                    workers: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, progress: bool = False,
-                   chunk_bytes: int = CHUNK_BYTES, verify: bool = False) -> "TokenShards":
+                   chunk_bytes: int = CHUNK_BYTES, verify: bool = False, overwrite: bool = False) -> "TokenShards":
     """Encode ``paths`` with ``tokenizer`` into ``out_dir`` (see the module docstring) using ``workers``
-    processes (default: the usable cores); continues an interrupted prepare, re-prepares out-of-date
-    data and returns at once when ``out_dir`` is already prepared from these contents. The shards kept
-    from an earlier prepare are checked as ``TokenShards`` checks them (``verify``: every one hashed);
-    a bad one is prepared again, with what follows it."""
+    processes (default: the usable cores); continues an interrupted prepare and returns at once when
+    ``out_dir`` is already prepared from these contents. Data prepared from other contents or settings
+    is prepared again only with ``overwrite``, else a ``UsageError`` (``outputs.refuse_earlier_output``).
+    The shards kept from an earlier prepare are checked as ``TokenShards`` checks them (``verify``: every
+    one hashed); a bad one is prepared again, with what follows it."""
     paths = [os.path.abspath(os.fspath(p)) for p in paths]
     out_dir = os.fspath(out_dir)
     workers = default_workers() if workers is None else workers
     _check_arguments(paths, tokenizer, out_dir, workers, shard_tokens, chunk_bytes)
+    new = _fresh_index(paths, [file_digest(p) for p in paths], tokenizer, tokenizer_digest(tokenizer), shard_tokens)
+    _refuse_other_data(out_dir, new, overwrite)  # before anything is written
     os.makedirs(out_dir, exist_ok=True)
     with naming_path(out_dir), _directory_lock(out_dir):
         try:
-            _prepare_locked(paths, tokenizer, out_dir, workers, shard_tokens, chunk_bytes, progress, verify)
+            _prepare_locked(paths, tokenizer, out_dir, new, workers, chunk_bytes, progress, verify)
         except UsageError:  # bad input: what was prepared is of no use, remove it (the lock file stays:
             _remove_own_files(out_dir)  # another prepare may be waiting on it)
             raise
     return TokenShards(out_dir)
 
 
-def _prepare_locked(paths: list[str], tokenizer: Tokenizer, out_dir: str, workers: int, shard_tokens: int,
+def _refuse_other_data(out_dir: str, new: dict, overwrite: bool) -> None:
+    """An ``out_dir`` holding data prepared from other contents or settings than ``new``'s is replaced
+    only with ``overwrite`` (one with an unreadable index is prepared from the start, said then)."""
+    old = read_index(out_dir)
+    if old is None or index_problem(old) is not None:
+        return
+    reason = _why_not_reusable(old, new)
+    refuse_earlier_output(out_dir, command="data prepare", overwrite=overwrite,
+                          found=None if reason is None else f"prepared data that is out of date ({reason})")
+
+
+def _prepare_locked(paths: list[str], tokenizer: Tokenizer, out_dir: str, new: dict, workers: int,
                     chunk_bytes: int, progress: bool, verify: bool) -> None:
-    """``prepare_corpus``'s work, holding the directory's lock."""
-    tok_digest = tokenizer_digest(tokenizer)
-    new = _fresh_index(paths, [file_digest(p) for p in paths], tokenizer, tok_digest, shard_tokens)
+    """``prepare_corpus``'s work for the index ``new`` (``_fresh_index``), holding the directory's lock."""
+    tok_digest = new["tokenizer_sha256"]
     index = _start_index(out_dir, new, verify)
     _save_tokenizer(out_dir, tokenizer, tok_digest)
     stats = _kept_stats(out_dir, index)
@@ -875,7 +890,8 @@ def prepared_tokens(paths: list[str], tokenizer: Tokenizer, cache_dir: str, rank
             if not is_prepared_dir(directory):
                 logger.info("preparing %s into %s (for a large corpus, run `xlnet-fast data prepare` first and "
                             "pass its directory)", " ".join(map(os.fspath, paths)), directory)
-            prepare_corpus(paths, tokenizer, directory, workers=workers_for(paths), progress=progress)
+            prepare_corpus(paths, tokenizer, directory, workers=workers_for(paths), progress=progress,
+                           overwrite=True)  # the cache's own, keyed by content
 
         from_rank0(prepare, rank, world)
     return TokenShards(directory, verify=verify)

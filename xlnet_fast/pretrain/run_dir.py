@@ -1,16 +1,21 @@
 """The run directory: one run per ``--out`` (a lock), planning a run before any set-up, the metrics log.
 
 ``out/run.lock`` (pid and host) is taken by rank 0 and released on exit; a lock left by a crashed
-process on this host is taken over with a warning. A fresh run refuses a directory with checkpoints
-unless ``resume`` (continue) or ``overwrite`` (start over). ``resume`` falls back to the newest fully
-readable checkpoint, restores the stored settings, refuses a change of one that cannot change mid-run
-(or of the global batch, ranks x batch size x gradient accumulation) and applies (and says) a change
-of one that can (or of the number of ranks with the batch size).
+process on this host is taken over with a warning. Nothing is written to ``--out`` before the settings
+and the data are known to be good: an existing ``--out`` gets only its lock while the run is planned
+(``plan_run``); a new one is created, and the directory tidied, once the data is set up
+(``open_run_dir``). A fresh run refuses a directory with an earlier run's checkpoints or metrics
+unless ``resume`` (continue) or ``overwrite`` (start over): ``outputs.refuse_earlier_output``.
+``resume`` falls back to the newest fully readable checkpoint, restores the stored settings, refuses a
+change of one that cannot change mid-run (or of the global batch, ranks x batch size x gradient
+accumulation) and applies (and says) a change of one that can (or of the number of ranks with the
+batch size).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -24,7 +29,7 @@ from .checkpoint import checkpoint_root, list_checkpoints, newest_readable, read
 from .corpus import check_corpus, check_readable, corpus_digest
 from .errors import UsageError
 from .evaluate import check_eval_files
-from .outputs import RUN_DIR, check_output_dir, default_cache_dir
+from .outputs import RUN_DIR, check_output_dir, default_cache_dir, refuse_earlier_output
 from .prepare import TOKENIZER_DIR, TokenShards, data_digest, prepared_directory, tokenizer_digest
 from .settings import (CHANGEABLE_SETTINGS, FIXED_SETTINGS, TrainConfig, check_layout, check_settings,
                        default_corpus, setting_flag)
@@ -177,6 +182,7 @@ class RunPlan:
     data_digest: str
     notes: list[str]  # settings changed on resume
     eval_data_digest: str | None = None  # content digest of --eval-data (eval checks it is unchanged)
+    start: _Start = field(default_factory=_Start)  # what the run directory held when the run was planned
 
 
 def cache_root(c: TrainConfig) -> str:
@@ -184,12 +190,16 @@ def cache_root(c: TrainConfig) -> str:
     return default_cache_dir(c.cache_dir)
 
 
-def _make_out_dir(out: str) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out} is a file, not a directory")
+def _check_creatable(out: str) -> None:
+    """A new ``--out``: the nearest existing directory above it must be writable, probed with a nameless
+    temporary file (nothing is left behind); the directory itself is created by ``open_run_dir``."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
     try:
-        os.makedirs(os.path.join(out, "checkpoints"), exist_ok=True)
-        tempfile.TemporaryFile(dir=os.path.join(out, "checkpoints")).close()  # can we write there?
+        if not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), parent)
+        tempfile.TemporaryFile(dir=parent).close()
     except OSError as exc:
         raise UsageError(f"--out {out} is not writable ({exc.strerror or exc})") from None
 
@@ -198,9 +208,11 @@ def _find_start(cfg: TrainConfig) -> _Start:
     existing = list_checkpoints(cfg)
     root = checkpoint_root(cfg)
     if not cfg.resume:
-        if existing and not cfg.overwrite:
-            raise UsageError(f"--out {cfg.out} already holds checkpoints (newest: {os.path.basename(existing[-1])}): "
-                             "pass --resume to continue that run or --overwrite to delete them and start over")
+        metrics = os.path.exists(os.path.join(cfg.out, METRICS_NAME))
+        found = (f"checkpoints (newest: {os.path.basename(existing[-1])})" if existing else
+                 f"{METRICS_NAME} (no checkpoint)" if metrics else None)
+        refuse_earlier_output(cfg.out, command="pretrain", found=found, overwrite=cfg.overwrite,
+                              resume="--resume" if existing else None)
         return _Start(existing=existing)
     path, rejected = newest_readable(existing)
     if path is None:
@@ -375,11 +387,15 @@ def _tidy_run_dir(c: TrainConfig, start: _Start) -> None:
 
 
 def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
-    """Take the run directory, pick the checkpoint, settle and check every setting and the data; only
-    then tidy the directory. Any problem is a ``UsageError`` and leaves the directory as it was."""
+    """Pick the checkpoint, settle and check every setting and the data, writing nothing to ``--out``
+    but the lock of an existing one (removed again when the run ends, also on an error); a new
+    ``--out`` is only checked to be creatable. ``open_run_dir`` creates and tidies it once the data is
+    set up. Any problem is a ``UsageError`` and leaves the directory as it was (or absent)."""
     _check_out(cfg.out, cfg.data, cfg)
-    _make_out_dir(cfg.out)
-    lock.acquire()
+    if os.path.isdir(cfg.out):
+        lock.acquire()  # another run's directory is refused first; the lock's file tells whether it is writable
+    else:
+        _check_creatable(cfg.out)
     start = _find_start(cfg)
     record = start.record
     c = cfg.resolved(record["settings"] if record else None)
@@ -400,9 +416,24 @@ def plan_run(cfg: TrainConfig, lock: RunLock, world: int) -> RunPlan:
     if c.eval_data:
         check_eval_files(c.eval_data)
         eval_digest = data_digest(c.eval_data, "--eval-data")
-    _tidy_run_dir(c, start)
     return RunPlan(config=c, checkpoint=start.path, start_step=start.step, data_digest=digest, notes=notes,
-                   eval_data_digest=eval_digest)
+                   eval_data_digest=eval_digest, start=start)
+
+
+def open_run_dir(plan: RunPlan, lock: RunLock) -> None:
+    """Rank 0, once the tokenizer and the data are set up: create a new ``--out`` and take its lock,
+    then tidy the directory for the run (``_tidy_run_dir``)."""
+    c = plan.config
+    if not lock.held:
+        try:
+            os.makedirs(c.out, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out {c.out} is not writable ({exc.strerror or exc})") from None
+        lock.acquire()
+        if list_checkpoints(c) != plan.start.existing:
+            raise UsageError(f"--out {c.out}: another run wrote checkpoints there while this one was set up: "
+                             "run again")
+    _tidy_run_dir(c, plan.start)
 
 
 def _check_out(out: str, data, c: TrainConfig) -> None:
