@@ -320,6 +320,9 @@ def test_plot(run, tmp_path, capsys):
     assert (tmp_path / "again.png").stat().st_size > 10_000
     (tmp_path / "empty").mkdir()
     assert main(["plot", str(tmp_path / "empty")]) == 2
+    assert f"{tmp_path / 'empty' / 'metrics.jsonl'} does not exist" in capsys.readouterr().err
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    assert main(["plot", str(tmp_path / "empty")]) == 2
     assert "no training rows" in capsys.readouterr().err
 
 

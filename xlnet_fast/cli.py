@@ -21,7 +21,6 @@ def _info(args: argparse.Namespace) -> int:
         triton_version = triton.__version__
     except Exception:
         triton_version = "not installed"
-    ok, reason = triton_status()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines = [
         f"xlnet_fast  {__version__}",
@@ -29,25 +28,45 @@ def _info(args: argparse.Namespace) -> int:
         f"torch       {torch.__version__}",
         f"triton      {triton_version}",
         f"device      {torch.cuda.get_device_name(0) if device.type == 'cuda' else 'cpu'}",
-        f"triton backend usable: {'yes' if ok else 'no'} ({reason})",
+        f"triton backend usable: {_triton_usable(device, *triton_status())}",
         f"backend='auto' on {device.type}: {explain_auto_backend(device)}",
     ]
     print("\n".join(lines))
     return 0
 
 
-def _setup_logging() -> None:
+def _triton_usable(device, ok: bool, reason: str) -> str:
+    """``info``'s answer: whether the fused kernels can run here, and on a machine without a GPU that they
+    run only in Triton's CPU interpreter, which is for tests."""
+    from .kernel_contract import contract
+
+    if not ok:
+        return f"no ({reason})"
+    if device.type == "cuda":
+        return f"yes ({reason})"
+    if contract.interpreting():
+        return (f"only in Triton's CPU interpreter (TRITON_INTERPRET=1 is set; {reason}): for tests, far slower "
+                "than eager")
+    return (f"no, no CUDA GPU here ({reason} is installed; on a CPU the kernels run only in Triton's interpreter, "
+            "TRITON_INTERPRET=1, for tests)")
+
+
+LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging() -> None:
+    """Every command's logging, set once by ``main``: ``LEVEL logger: message`` on stderr (INFO and
+    above), ``warnings.warn`` through it too (and so around a progress bar)."""
     import logging
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.captureWarnings(True)  # warnings.warn goes through logging (and around the progress bar)
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.captureWarnings(True)
 
 
 def _pretrain(args: argparse.Namespace) -> int:
     from .pretrain import NonFiniteLossError, TrainConfig, pretrain
     from .pretrain.summary import format_summary
 
-    _setup_logging()
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
     if "no_progress" in fields:
         fields["progress"] = not fields.pop("no_progress")
@@ -70,7 +89,6 @@ def _eval(args: argparse.Namespace) -> int:
     from .pretrain.evaluate import evaluate_model_dir
     from .transfo_xl import is_transfo_xl_dir
 
-    _setup_logging()
     if _transfo_xl_checkpoint(args.model):
         return eval_transfo_xl_checkpoint(args)
     if is_transfo_xl_dir(args.model):
@@ -112,7 +130,6 @@ def _plot(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .pretrain.export import DTYPE_NAMES, export_model
 
-    _setup_logging()
     r = export_model(args.source, args.out, dtype=args.dtype, overwrite=args.overwrite, verify=not args.no_verify)
     if r["model_class"] != "XLNetLMHeadModel":
         print(f"wrote {r['out']} ({r['parameters']:,} parameters, {r['dtype']}) from {r['source']}: load with "
@@ -131,7 +148,7 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     from .pretrain.errors import UsageError
     from .pretrain.outputs import check_output_dir
     from .pretrain.tokenizer import SPECIAL_TOKENS, TOKENIZER_FILES, train_tokenizer
-    from .pretrain.tokenizers import WORD, WORD_TOKENIZER_FILES
+    from .pretrain.tokenizers import ALL_TOKENIZER_FILES, WORD, WORD_TOKENIZER_FILES
     from .transfo_xl.tokenizer import TransfoXLTokenizer
 
     word = args.kind == WORD
@@ -139,21 +156,24 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
     if args.vocab_size <= specials:
         raise UsageError(f"--vocab-size must exceed the {specials} special tokens, got {args.vocab_size}")
     files = WORD_TOKENIZER_FILES if word else TOKENIZER_FILES
-    check_output_dir(args.out, command="tokenizer train", inputs=args.files, owned=lambda name, is_dir: name in files)
+    check_output_dir(args.out, command="tokenizer train", inputs=args.files, overwrite=args.overwrite,
+                     owned=lambda name, is_dir: name in ALL_TOKENIZER_FILES)  # either kind's: one replaces the other
     check_corpus(args.files)
     if word:
         tok = TransfoXLTokenizer.from_corpus(iter_lines(args.files), args.vocab_size)
         tok.save_pretrained(args.out)
-        print(f"wrote {os.path.join(args.out, files[0])} ({tok.vocab_size} symbols)")
-        return 0
-    tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
-    print(f"wrote {tok.model_file} ({tok.vocab_size} pieces)")
+        written = f"{os.path.join(args.out, files[0])} ({tok.vocab_size} symbols)"
+    else:
+        tok = train_tokenizer(iter_lines(args.files), args.vocab_size, args.out)
+        written = f"{tok.model_file} ({tok.vocab_size} pieces)"
+    for name in set(ALL_TOKENIZER_FILES) - set(files):  # the other kind's, replaced (--overwrite)
+        if os.path.lexists(os.path.join(args.out, name)):
+            os.remove(os.path.join(args.out, name))
+    print(f"wrote {written}")
     return 0
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
-    import logging
-
     from .pretrain.corpus import check_readable
     from .pretrain.errors import UsageError
     from .pretrain.prepare import prepare_corpus
@@ -167,9 +187,9 @@ def _data_prepare(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer_dir(args.tokenizer)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     data = prepare_corpus(args.files, tokenizer, args.out, workers=args.workers, shard_tokens=args.shard_tokens,
-                          progress=not args.no_progress, verify=True)  # an existing directory: every shard hashed
+                          progress=not args.no_progress, verify=True,  # an existing directory: every shard hashed
+                          overwrite=args.overwrite)
     print(f"{args.out}: {len(data)} tokens ({data.dtype.name}) in {len(data.index['shards'])} shard(s), "
           f"{data.num_documents} documents from {len(args.files)} file(s)")
     return 0
@@ -227,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .pretrain.errors import CheckpointError, UsageError, os_error_line, underlying_os_error
 
+    setup_logging()
     try:
         return args.func(args)
     except (UsageError, CheckpointError) as exc:

@@ -7,7 +7,7 @@ import textwrap
 
 from .attention.backends import BACKENDS
 from .config import MODEL_SIZES
-from .pretrain.evaluate import DEFAULT_EVAL_BATCHES
+from .pretrain.evaluate import CONFIG_LAYOUT, DEFAULT_EVAL_BATCHES
 from .pretrain.export import DTYPES
 from .pretrain.flops import PEAK_TFLOPS_ENV, parameter_count, transfo_xl_parameter_count
 from .pretrain.outputs import CACHE_ENV
@@ -107,8 +107,8 @@ def _pretrain_run_flags(p: argparse.ArgumentParser) -> None:
                    + RESTORED.format(DEFAULTS["log_every"]))
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its newest readable "
                    "checkpoint, with the run's stored settings (default: off)")
-    p.add_argument("--overwrite", action="store_true", help="start over in an --out that holds checkpoints "
-                   "(they are deleted first) (default: off)")
+    p.add_argument("--overwrite", action="store_true", help="start over in an --out that holds an earlier run's "
+                   "checkpoints or metrics.jsonl (they are deleted first, other files kept) (default: off)")
 
 
 def _pretrain_eval_flags(p: argparse.ArgumentParser) -> None:
@@ -218,7 +218,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batches", type=int, metavar="N", help="batches per evaluation (default: the run's "
                    f"--eval-batches, else {DEFAULT_EVAL_BATCHES})")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with spiece.model (default: the model directory's)")
-    _layout_flags(p, lambda name: f"the run's, else {base[name]} (the base preset's)")
+    config = {name: "config.json's, else " for name in CONFIG_LAYOUT}  # a transformers directory's
+    _layout_flags(p, lambda name: f"the run's, else {config.get(name, '')}{base[name]} (the base preset's); the "
+                  "JSON line says which")
     p.add_argument("--backend", choices=BACKENDS, help="attention backend (default: the "
                    "model's config.json, auto if absent)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
@@ -276,8 +278,10 @@ def add_tokenizer_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, dest="vocab_size", default=32000, help="pieces, or at most that many "
                    "symbols (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for spiece.model and the transformers tokenizer "
-                   "files, or vocab.txt and tokenizer_config.json (required): new, empty, or holding only those "
-                   "files (they are replaced)")
+                   "files, or vocab.txt and tokenizer_config.json (required): new or empty, or holding only an "
+                   "earlier tokenizer's files with --overwrite")
+    t.add_argument("--overwrite", action="store_true", help="replace the tokenizer in --out (default: off); a "
+                   "directory with other files is never replaced")
     return t
 
 
@@ -295,7 +299,10 @@ def add_data_parser(sub) -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", required=True, help="directory with spiece.model, or with vocab.txt (a "
                    "word-level vocabulary, Transformer-XL's) (required)")
     d.add_argument("--out", required=True, help="output directory (required): new, empty, or one this command "
-                   "prepared (a directory with other files is refused); a copy of the tokenizer goes to OUT/tokenizer")
+                   "prepared from the same files, tokenizer and --shard-tokens (resumed, or repaired; a directory "
+                   "with other files is refused); a copy of the tokenizer goes to OUT/tokenizer")
+    d.add_argument("--overwrite", action="store_true", help="prepare again an --out prepared from other files, "
+                   "tokenizer or --shard-tokens (default: off: refused)")
     d.add_argument("--workers", type=int, default=None, help="encoding processes (default: the usable CPU cores, "
                    f"{default_workers()} here)")
     d.add_argument("--shard-tokens", type=int, dest="shard_tokens", default=DEFAULT_SHARD_TOKENS,

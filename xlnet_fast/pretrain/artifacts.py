@@ -17,7 +17,7 @@ from .checkpoint import (check_checkpoint, list_checkpoints, load_model_weights,
                          read_run_record)
 from .errors import UsageError
 from .models import XLNET, lm_class, model_of_dir, read_model_config
-from .outputs import CHECKPOINT_DIR, directory_kind
+from .outputs import CHECKPOINT_DIR, RUN_DIR, directory_kind
 from .settings import TrainConfig
 from .tokenizer import SPIECE_NAME
 from .tokenizers import Tokenizer, holds_tokenizer, load_tokenizer_dir
@@ -57,12 +57,17 @@ def resolve_model_dir(path: str, flag: str, verify: bool = True) -> ModelDir:
         raise UsageError(f"{flag} {path}: not a directory")
     if not verify:
         logger.warning(NO_VERIFY_NOTE)
-    if os.path.isdir(os.path.join(path, "checkpoints")):  # a run directory
+    if os.path.isdir(os.path.join(path, "checkpoints")) or directory_kind(path) == RUN_DIR:  # a run directory
         found = list_checkpoints(TrainConfig(out=path))
+        root = os.path.join(path, "checkpoints")
+        if not found:
+            raise UsageError(f"{flag} {path}: no checkpoint yet in {root}: the run has not saved one (it saves "
+                             "every --save-every steps, at its end and when stopped by SIGTERM or Ctrl-C)")
         newest, _ = newest_readable(found, checksums=verify)
         if newest is None:
-            raise UsageError(f"{flag} {path}: no readable checkpoint in {os.path.join(path, 'checkpoints')}"
-                             + (f" ({len(found)} unreadable)" if found else ""))
+            raise UsageError(f"{flag} {path}: no readable checkpoint in {root}: "
+                             + (f"the only one, {os.path.basename(found[0])}, is unreadable" if len(found) == 1 else
+                                f"all {len(found)} are unreadable") + " (see the warnings above)")
         path = newest
     if directory_kind(path) == CHECKPOINT_DIR:
         check_checkpoint(path, checksums=verify)  # before anything of it is used (a pre-0.1 one is refused)

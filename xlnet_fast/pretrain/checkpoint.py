@@ -244,12 +244,14 @@ def _check_checkpoint(path: str, checksums: bool) -> int:
 def newest_readable(paths: list[str], checksums: bool = True) -> tuple[str | None, list[str]]:
     """The newest checkpoint of ``paths`` whose files all read, and the newer ones that do not."""
     rejected = []
-    for path in reversed(paths):
+    for older, path in reversed(list(enumerate(paths))):  # ``older``: how many checkpoints precede it
         try:
             check_checkpoint(path, checksums)
             return path, rejected
         except CheckpointError as exc:
-            logger.warning("checkpoint %s is unreadable: %s; falling back to the previous one", path, exc)
+            then = (f"falling back to the previous one, {os.path.basename(paths[older - 1])}" if older else
+                    "no older checkpoint to fall back to")
+            logger.warning("checkpoint %s is unreadable: %s; %s", path, exc, then)
             rejected.append(path)
     return None, rejected
 

@@ -15,6 +15,7 @@ about 1% of the corpus, at least 2 x seq_len and at most 32 x seq_len per row of
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -192,19 +193,41 @@ def hold_out_tail(tokens, c, rank: int, world: int, seq_len: int | None = None) 
 # --------------------------------------------------------------------------------------------------
 
 LAYOUT_SETTINGS = ("seq_len", "reuse_len", "mem_len", "num_predict", "perm_size", "batch_size")
+CONFIG_LAYOUT = ("mem_len", "reuse_len")  # the layout fields an XLNet's config.json may hold
+BASE_PRESET = "the base preset"
+
+
+def _config_layout(path: str) -> dict:
+    """``CONFIG_LAYOUT`` fields that the directory's config.json sets (not null)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}  # read_config names the problem when the model is loaded
+    return {n: config[n] for n in CONFIG_LAYOUT if isinstance(config, dict) and isinstance(config.get(n), int)}
 
 
 def _eval_settings(src, overrides: dict) -> dict:
-    """The record layout, rows and batches: the run's for a training checkpoint, else the 'base'
-    preset's; ``overrides`` (not None) replace them. ``world``: the run's number of ranks."""
+    """The record layout, rows and batches: the run's for a training checkpoint; for a transformers
+    directory its config.json's ``mem_len`` and ``reuse_len`` where it sets them, else the 'base'
+    preset's; ``overrides`` (not None) replace them. ``world``: the run's number of ranks;
+    ``layout_from``: where each layout value came from."""
     if src.is_checkpoint:
         stored = src.record["settings"]
         s = {n: stored[n] for n in LAYOUT_SETTINGS}
         s.update(world=src.record.get("world_size") or 1, eval_batches=stored.get("eval_batches"))
+        origin = dict.fromkeys(LAYOUT_SETTINGS, "the run")
     else:
         s = {n: PRESETS["base"][n] for n in LAYOUT_SETTINGS}
         s.update(world=1, eval_batches=None)
-    s.update({k: v for k, v in overrides.items() if v is not None})
+        origin = dict.fromkeys(LAYOUT_SETTINGS, BASE_PRESET)
+        from_config = _config_layout(src.path)
+        s.update(from_config)
+        origin.update(dict.fromkeys(from_config, "config.json"))
+    given = {k: v for k, v in overrides.items() if v is not None}
+    s.update(given)
+    origin.update({k: "--" + k.replace("_", "-") for k in given if k in origin})
+    s["layout_from"] = origin
     if s["eval_batches"] is None:  # neither --batches nor the run's --eval-batches (0 is refused below)
         s["eval_batches"] = DEFAULT_EVAL_BATCHES
     for name, flag in (("batch_size", "--batch-size"), ("eval_batches", "--batches"), ("seq_len", "--seq-len")):
@@ -287,12 +310,24 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
     lm.to(device)
     layout_cfg = DataConfig(seq_len=s["seq_len"], reuse_len=s["reuse_len"], num_predict=s["num_predict"],
                             perm_size=s["perm_size"], bi_data=bool(lm.config.bi_data))
-    layout_cfg.check(name=lambda n: "--" + n.replace("_", "-"))
+    try:
+        layout_cfg.check(name=lambda n: "--" + n.replace("_", "-"))
+    except UsageError as exc:
+        if all(where.startswith("--") or where == "the run" for where in s["layout_from"].values()):
+            raise
+        raise UsageError(f"{exc} (the layout: {_layout_origins(s)}): give the layout with the flags") from None
     loss_sum, count = 0.0, 0
     for rank in range(s["world"]):  # the run's ranks' shares of the rows, one after the other
         ev = Evaluator(tokens, tok, layout_cfg, s["batch_size"], s["eval_batches"], s["mem_len"], rank, s["world"],
                        source=what)
         part_sum, part_count = ev.sums(lm, device)
         loss_sum, count = loss_sum + part_sum, count + part_count
+    layout = {n: s[n] for n in LAYOUT_SETTINGS if n != "batch_size"}
     return {"model": src.path, "step": src.step, "data": what, "batches": s["eval_batches"],
-            "rows": s["batch_size"] * s["world"], **eval_row(loss_sum, count)}
+            "rows": s["batch_size"] * s["world"], "layout": {**layout, "bi_data": layout_cfg.bi_data},
+            "layout_from": {n: s["layout_from"][n] for n in layout}, **eval_row(loss_sum, count)}
+
+
+def _layout_origins(s: dict) -> str:
+    """``seq_len 512 (the base preset), reuse_len 16 (config.json), ...``."""
+    return ", ".join(f"{n} {s[n]} ({s['layout_from'][n]})" for n in LAYOUT_SETTINGS if n != "batch_size")

@@ -81,13 +81,18 @@ def _title(run_dir: str, train: list[dict], evals: list[dict]) -> str:
 
 def write_loss_plot(run_dir: str, out: str | None = None) -> str:
     """Draw ``run_dir/metrics.jsonl`` into ``out`` (default ``run_dir/loss.png``), written atomically;
-    returns the path. ``UsageError`` when matplotlib is missing or the run has no training rows."""
+    returns the path. ``UsageError`` when matplotlib is missing, the run has no ``metrics.jsonl`` or no
+    training rows in it."""
     if not have_matplotlib():
         raise UsageError("plotting needs matplotlib: pip install 'xlnet_fast[bench]'")
     check_plot_out(run_dir, out)
+    metrics = os.path.join(run_dir, METRICS_NAME)
+    if not os.path.isfile(metrics):
+        raise UsageError(f"{metrics} does not exist: {run_dir} is not a pretraining run's --out, or its run has "
+                         "logged no step yet")
     train, evals = read_metrics(run_dir)
     if not train:
-        raise UsageError(f"{os.path.join(run_dir, 'metrics.jsonl')}: no training rows to plot")
+        raise UsageError(f"{metrics}: no training rows to plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

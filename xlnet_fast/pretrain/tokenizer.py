@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import math
 import operator
 import os
@@ -39,6 +40,8 @@ _PADDING_MODES = {True: "longest", "longest": "longest", "max_length": "max_leng
                   False: None, None: None, "do_not_pad": None}
 _TRUNCATION_MODES = {True: "longest_first", "longest_first": "longest_first", "only_first": "only_first",
                      "only_second": "only_second", False: None, "do_not_truncate": None}
+
+logger = logging.getLogger(__name__)
 
 
 def _kind(value) -> str:
@@ -580,6 +583,8 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
     ``files_or_texts``: a path, a list of paths, or an iterable of text lines. The files are written
     into a temporary sibling directory first and moved in (``spiece.model`` last), so a failure (a
     full disk) leaves ``out_dir`` without a partial tokenizer; other files in ``out_dir`` are kept.
+    Fewer pieces than ``vocab_size`` (the text holds too few distinct ones) are logged as a warning
+    saying how varied the text is.
     """
     import sentencepiece as spm
 
@@ -607,6 +612,11 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
         hard_vocab_limit=False,
         minloglevel=2,
     )
+    pieces = _piece_count(model.getvalue())
+    if pieces < vocab_size:
+        lines = items if "sentence_iterator" in kwargs else _file_lines(items)
+        logger.warning("the tokenizer has %d pieces, fewer than the %d asked: %s", pieces, vocab_size,
+                       text_variety(lines))
     out_dir = os.path.abspath(os.fspath(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp{os.getpid()}")
@@ -625,3 +635,28 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return XLNetTokenizer(os.path.join(out_dir, SPIECE_NAME), **tokenizer_kwargs)
+
+
+def _piece_count(model_proto: bytes) -> int:
+    """The number of pieces of a serialized sentencepiece model (``ModelProto.pieces``, field 1)."""
+    return sum(1 for field, _ in _protobuf_fields(model_proto) if field == 1)
+
+
+def _file_lines(paths: Iterable) -> Iterable[str]:
+    for path in paths:
+        with open(os.fspath(path), encoding="utf-8", errors="replace") as f:
+            yield from f
+
+
+def text_variety(lines: Iterable[str]) -> str:
+    """What limits a vocabulary learnt from ``lines``, in words: how many distinct whitespace-separated
+    words and characters they hold (a vocabulary of more pieces needs more, or more varied, text)."""
+    words: set[str] = set()
+    chars: set[str] = set()
+    for line in lines:
+        for word in str(line).split():
+            if word not in words:
+                words.add(word)
+                chars.update(word)
+    return (f"the text holds only {len(words):,} distinct words of {len(chars):,} distinct characters, too few "
+            "distinct pieces for more: train on more (or more varied) text, or ask for fewer")

@@ -175,7 +175,8 @@ class TransfoXLTokenizer:
                     split_punctuation: bool = True) -> "TransfoXLTokenizer":
         """A vocabulary built from text lines as the original code's ``build_vocab``: ``<eos>`` and
         ``<unk>`` first, then the symbols by descending count (ties in order of first appearance), at
-        most ``vocab_size`` in all (the rest become ``<unk>``). Split at whitespace and, with
+        most ``vocab_size`` in all (the rest become ``<unk>``; fewer, with a warning, when the text holds
+        fewer distinct symbols). Split at whitespace and, with
         ``split_punctuation``, at marks, never with Moses (``moses=False``, saved): the same ids
         wherever it is read (raw text; WikiText-style text comes split already)."""
         special = ["<eos>", "<unk>"]
@@ -189,6 +190,10 @@ class TransfoXLTokenizer:
             counts.update(splitter.tokenize(line))
         words = [w for w, _ in counts.most_common() if w not in special]
         if vocab_size is not None:
+            if len(special) + len(words) < vocab_size:
+                logger.warning("the vocabulary has %d symbols, fewer than the %d asked: the text holds only %d "
+                               "distinct symbols besides %s (train on more, or more varied, text for more)",
+                               len(special) + len(words), vocab_size, len(words), " ".join(special))
             words = words[:vocab_size - len(special)]
         return cls(special + words, **options)
 
