@@ -70,8 +70,10 @@ class _Driver:
         self.target = GPUTarget("cuda", gpu.arch, 32)
         properties = {"max_shared_mem": MAX_SHARED_MEMORY.get(gpu.arch, MAX_SHARED_MEMORY[80]),
                       "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32}
+        # a loaded module and function, as from the driver (not None: triton loads a kernel once and
+        # tells a loaded one by its module, so a None here would rebuild the launcher at every launch)
         self.utils = types.SimpleNamespace(
-            load_binary=lambda name, kernel, shared, device: (None, None, 0, 0, 1024),
+            load_binary=lambda name, kernel, shared, device: (f"module:{name}", f"function:{name}", 0, 0, 1024),
             get_device_properties=lambda device: properties)
         self.launcher_cls = lambda src, metadata: _Launcher(gpu, src, metadata)
         order = itertools.count()
