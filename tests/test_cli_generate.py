@@ -31,13 +31,21 @@ def test_eval_command_prints_the_perplexity(txl_dir, capsys):
     path, text = txl_dir
     assert main(["eval", "--model", path, "--data", text, "--tgt-len", "5", "--mem-len", "7", "--clamp-len", "3",
                  "--same-length", "--batch-size", "2", "--backend", "eager"]) == 0
-    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()  # stdout: the JSON line only; the progress bar of the 7 segments on stderr
+    row = json.loads(line)
+    assert "eval: 100%" in err and "7/7" in err and "segment" in err, err
     assert row["tokens"] == (4 * 17 // 2 - 1) * 2  # 7 + 1 + 1 + 7 + 1 symbols and <eos>s per repetition, 2 rows
     assert row["mem_len"] == 7 and row["clamp_len"] == 3 and row["same_length"] is True and row["tgt_len"] == 5
     assert math.isclose(row["ppl"], math.exp(row["loss"]))
     model = TransfoXLLMHeadModel.from_pretrained(path, mem_len=7, clamp_len=3, same_length=True)
     r = stream_nll(model, encode_files([text], TransfoXLTokenizer.from_pretrained(path)), 5, 2)
     assert math.isclose(row["loss"], r["loss_sum"] / r["tokens"], rel_tol=1e-9)
+    assert r["segments"] == 7 and capsys.readouterr().err == ""  # no bar unless asked (progress=True)
+    assert main(["eval", "--model", path, "--data", text, "--tgt-len", "5", "--batch-size", "2", "--batches", "3",
+                 "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["segments"] == 3 and "eval:" not in err, err
 
 
 @pytest.mark.parametrize("extra, message", [

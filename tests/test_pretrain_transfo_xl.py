@@ -174,13 +174,18 @@ def test_tiny_run_learns_and_evaluates_with_memory(txl_run, corpus, capsys):
     assert os.path.exists(root / "run" / "loss.png") or res["plot"] is None or "matplotlib" in str(res["plot"])
     # xlnet-fast eval on the run: the run's evaluation, the same value as its metrics row
     assert main(["eval", "--model", str(root / "run"), "--cache-dir", str(root / "cache"), "--backend", "eager"]) == 0
-    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()  # stdout: the JSON line only; the progress bar of the segments on stderr
+    row = json.loads(line)
+    assert "eval: 100%" in err and f"{row['batches']}/{row['batches']}" in err and "segment" in err, err
     assert row["step"] == 12 and row["eval_tokens"] == evals[1]["eval_tokens"] > 0 and row["eval_tokens"] % 64 == 0
     assert row["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-6)
     # ... with longer memory, on the same text
     assert main(["eval", "--model", str(root / "run"), "--cache-dir", str(root / "cache"), "--mem-len", "48",
-                 "--backend", "eager"]) == 0
-    longer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                 "--backend", "eager", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    longer = json.loads(out)
+    assert "eval:" not in err, err
     assert longer["mem_len"] == 48 and longer["eval_tokens"] == row["eval_tokens"]
     assert main(["eval", "--model", str(root / "run"), "--seq-len", "8"]) == 2
     assert "--seq-len: XLNet's record layout" in capsys.readouterr().err

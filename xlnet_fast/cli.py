@@ -98,7 +98,7 @@ def _eval(args: argparse.Namespace) -> int:
                                                      "batch_size")}
     result = evaluate_model_dir(args.model, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
                                 cache_dir=args.cache_dir, backend=args.backend, verify=not args.no_verify,
-                                verify_data=args.verify_data, **layout)
+                                verify_data=args.verify_data, progress=not args.no_progress, **layout)
     print(json.dumps(result), flush=True)
     return 0
 

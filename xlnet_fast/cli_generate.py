@@ -54,7 +54,7 @@ def eval_transfo_xl(args: argparse.Namespace) -> int:
         args.model, args.data, tgt_len=DEFAULT_TGT_LEN if args.tgt_len is None else args.tgt_len, mem_len=args.mem_len,
         clamp_len=args.clamp_len, same_length=args.same_length, mem_start=args.mem_start,
         batch_size=DEFAULT_EVAL_ROWS if args.batch_size is None else args.batch_size,
-        batches=args.batches, tokenizer=args.tokenizer, backend=args.backend)
+        batches=args.batches, tokenizer=args.tokenizer, backend=args.backend, progress=not args.no_progress)
     print(json.dumps(result), flush=True)
     return 0
 
@@ -76,7 +76,8 @@ def eval_transfo_xl_checkpoint(args: argparse.Namespace) -> int:
     result = evaluate_checkpoint(src, data=args.data, batches=args.batches, tokenizer=args.tokenizer,
                                  cache_dir=args.cache_dir, verify_data=bool(args.verify_data), rows=args.batch_size,
                                  tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len,
-                                 same_length=args.same_length, mem_start=args.mem_start, attn_backend=args.backend)
+                                 same_length=args.same_length, mem_start=args.mem_start, attn_backend=args.backend,
+                                 progress=not args.no_progress)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -226,6 +226,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help=CACHE_HELP)
     _no_verify_flag(p)
     _verify_data_flag(p)
+    p.add_argument("--no-progress", action="store_true", dest="no_progress", help="no progress bar on stderr "
+                   "(default: a bar of the batches or segments, and of preparing the text; stdout has the JSON "
+                   "line only)")
     from .cli_generate import add_transfo_xl_eval_flags
 
     add_transfo_xl_eval_flags(p)

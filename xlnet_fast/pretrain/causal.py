@@ -23,7 +23,7 @@ from torch import nn
 
 from .distributed import all_sum
 from .errors import UsageError
-from .evaluate import _run_eval_tokens, check_eval_files, eval_row
+from .evaluate import _run_eval_tokens, check_eval_files, eval_bar, eval_row
 
 
 class StreamBatches:
@@ -104,10 +104,10 @@ class StreamEvaluator:
         self.source, self.n_tokens = source, len(tokens)
 
     @torch.no_grad()
-    def sums(self, model: nn.Module, device: torch.device) -> tuple[float, int]:
+    def sums(self, model: nn.Module, device: torch.device, bar=None) -> tuple[float, int]:
         """``(sum of the targets' negative log-likelihoods, number of targets)`` over this rank's rows.
         ``model``: a ``TransfoXLLMHeadModel`` or the run's ``CausalLMLoss`` around it (under FSDP2 the
-        module whose forward gathers the shards)."""
+        module whose forward gathers the shards); ``bar`` (an ``eval_bar``) advances by one per segment."""
         self.batches.load_state_dict({"pos": {r: 0 for r in self.batches.row_ids}})
         step = model if isinstance(model, CausalLMLoss) else CausalLMLoss(model)
         was_training = step.training
@@ -122,6 +122,8 @@ class StreamEvaluator:
                                           dtype=torch.float64)
                     loss_sum += total
                     count += batch["labels"].numel()
+                    if bar is not None:
+                        bar.update(1)
         finally:
             step.train(was_training)
         return float(loss_sum), count
@@ -149,12 +151,13 @@ def forward_flops_per_batch(d_model: int, n_layer: int, n_head: int, d_head: int
 
 def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None = None, tokenizer: str | None = None,
                         cache_dir: str | None = None, device: torch.device | None = None, verify_data: bool = False,
-                        rows: int | None = None, **overrides) -> dict:
+                        rows: int | None = None, progress: bool = False, **overrides) -> dict:
     """``xlnet-fast eval`` of a Transformer-XL training checkpoint (``artifacts.ModelDir``): the run's
     evaluation — its rows (``--batch-size`` x ranks), ``tgt_len`` segments, memory carried, at most its
     ``--eval-batches`` segments — on the text it evaluated on (or ``data``), so it prints the
     ``eval_loss`` of the run's metrics row at that step. ``overrides``: ``tgt_len``, ``mem_len``,
-    ``clamp_len``, ``same_length``, ``mem_start``, ``attn_backend`` (None: the run's)."""
+    ``clamp_len``, ``same_length``, ``mem_start``, ``attn_backend`` (None: the run's); ``progress``: bars on
+    stderr (preparing the text, the segments)."""
     import os
 
     from .artifacts import load_lm, load_tokenizer
@@ -174,16 +177,18 @@ def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None 
     if data:
         data = [os.path.abspath(p) for p in data]
         check_eval_files(data, "--data")
-        tokens, what = prepared_tokens(data, tok, cache_dir, verify=verify_data), " ".join(data)
+        tokens = prepared_tokens(data, tok, cache_dir, progress=progress, verify=verify_data)
+        what = " ".join(data)
     else:
-        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data)
+        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data, progress)
     lm = load_lm(src, **{k: v for k, v in overrides.items() if v is not None})
     if tok.vocab_size > lm.config.vocab_size:
         raise UsageError(f"the tokenizer has {tok.vocab_size} symbols, the model only {lm.config.vocab_size}")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lm.to(device)
     evaluator = StreamEvaluator(tokens, tgt_len, n_rows, n_batches, source=what)
-    loss_sum, count = evaluator.sums(lm, device)
+    with eval_bar(evaluator.n_batches, progress, unit="segment") as bar:
+        loss_sum, count = evaluator.sums(lm, device, bar)
     c = lm.config
     return {"model": src.path, "step": src.step, "data": what, "batches": evaluator.n_batches, "rows": n_rows,
             "tgt_len": tgt_len, "mem_len": c.mem_len, "clamp_len": c.clamp_len, "same_length": c.same_length,

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -111,8 +112,9 @@ class Evaluator:
         self.n_tokens = len(tokens)
 
     @torch.no_grad()
-    def sums(self, model: torch.nn.Module, device: torch.device) -> tuple[float, int]:
-        """``(sum of the targets' cross-entropies, number of targets)`` over this rank's rows."""
+    def sums(self, model: torch.nn.Module, device: torch.device, bar=None) -> tuple[float, int]:
+        """``(sum of the targets' cross-entropies, number of targets)`` over this rank's rows; ``bar``
+        (an ``eval_bar``) advances by one per batch."""
         self.batches.load_state_dict(self._start)
         was_training = model.training
         model.eval()
@@ -133,6 +135,8 @@ class Evaluator:
                     loss_sum += ce.double().sum()  # padding targets (label -100) contribute 0
                     count += (labels != -100).sum()
                     mems = out.mems if use_mems else None
+                    if bar is not None:
+                        bar.update(1)
         finally:
             model.train(was_training)
         return float(loss_sum), int(count)
@@ -143,6 +147,17 @@ class Evaluator:
         loss_sum, count = self.sums(model, device)
         totals = all_sum(torch.tensor([loss_sum, float(count)], dtype=torch.float64, device=device), world)
         return eval_row(float(totals[0]), int(totals[1]))
+
+
+def eval_bar(total: int, enabled: bool = True, unit: str = "batch"):
+    """The progress bar of ``xlnet-fast eval`` on stderr (stdout keeps its one JSON line): ``total``
+    batches or segments; disabled (``--no-progress``), it prints nothing."""
+    from tqdm import tqdm
+
+    class Bar(tqdm):
+        monitor_interval = 0  # no monitor thread (as prepare's bar: a later prepare may fork its workers)
+
+    return Bar(total=total, desc="eval", unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True)
 
 
 def eval_row(loss_sum: float, count: int) -> dict:
@@ -238,24 +253,24 @@ def _eval_settings(src, overrides: dict) -> dict:
     return s
 
 
-def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str,
-                     verify_data: bool = False) -> tuple[np.ndarray | TokenShards, str]:
+def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str, verify_data: bool = False,
+                     progress: bool = False) -> tuple[np.ndarray | TokenShards, str]:
     """The text the run evaluated on: its ``--eval-data`` (refused when its content changed since
     the run, so the value is the run's), else the held-out tail of its data (text files or a prepared
-    directory, which must be the run's)."""
+    directory, which must be the run's). ``progress``: a bar while text is prepared."""
     settings, record = src.record["settings"], src.record
     if settings.get("eval_data"):
         files = settings["eval_data"]
         check_eval_files(files, "the run's --eval-data")
         _check_unchanged(files, record.get("eval_data_digest"), "--eval-data", "the text it evaluated on")
-        tokens = prepared_tokens(files, tokenizer, cache_dir, verify=verify_data)
+        tokens = prepared_tokens(files, tokenizer, cache_dir, progress=progress, verify=verify_data)
         return tokens, " ".join(files)
     if not settings.get("hold_out"):
         raise UsageError(f"{src.path}: its run held out no text (it predates held-out evaluation): pass --data FILE...")
     files = record["data"]
     check_eval_files(files, "the run's --data")
     _check_unchanged(files, record.get("data_digest"), "data", "its held-out tail")
-    tokens = prepared_tokens(files, tokenizer, cache_dir, verify=verify_data)
+    tokens = prepared_tokens(files, tokenizer, cache_dir, progress=progress, verify=verify_data)
     segment = settings["seq_len"] if settings.get("seq_len") else settings["tgt_len"] + 1  # XLNet's or Transformer-XL's
     held = split_heldout(tokens, segment, settings["batch_size"] * (record.get("world_size") or 1))[1]
     return held, "the held-out tail of " + " ".join(files)
@@ -277,12 +292,13 @@ def _check_unchanged(files: list[str], recorded: str | None, what: str, used: st
 def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int | None = None,
                        tokenizer: str | None = None, cache_dir: str | None = None, backend: str | None = None,
                        device: torch.device | None = None, verify: bool = True, verify_data: bool | None = None,
-                       **layout: int | None) -> dict:
+                       progress: bool = False, **layout: int | None) -> dict:
     """``xlnet-fast eval``: the held-out permutation-LM loss of the model in ``model`` (a run
     directory, a training checkpoint or a transformers directory) on ``data`` (text files or a
     prepared directory; default: the text the run evaluated on), as one JSON-able dict. ``layout``:
     ``LAYOUT_SETTINGS`` overrides; ``verify``: compare a checkpoint with its checksums;
-    ``verify_data``: hash every shard of prepared data."""
+    ``verify_data``: hash every shard of prepared data; ``progress``: bars on stderr (preparing the
+    text, the batches)."""
     src = resolve_model_dir(model, "--model", verify=verify)
     if src.model != XLNET:
         raise UsageError(f"--model {src.path} is a Transformer-XL: its evaluation is the perplexity with memory "
@@ -297,9 +313,10 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
     if data:
         data = [os.path.abspath(p) for p in data]
         check_eval_files(data, "--data")
-        tokens, what = prepared_tokens(data, tok, cache_dir, verify=verify_data), " ".join(data)
+        tokens = prepared_tokens(data, tok, cache_dir, progress=progress, verify=verify_data)
+        what = " ".join(data)
     elif src.is_checkpoint:
-        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data)
+        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data, progress)
     else:
         raise UsageError(f"--model {src.path} is not a training checkpoint: pass --data FILE... to evaluate on")
     overrides = {"mem_len": s["mem_len"], "reuse_len": s["reuse_len"]}
@@ -317,11 +334,12 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
             raise
         raise UsageError(f"{exc} (the layout: {_layout_origins(s)}): give the layout with the flags") from None
     loss_sum, count = 0.0, 0
-    for rank in range(s["world"]):  # the run's ranks' shares of the rows, one after the other
-        ev = Evaluator(tokens, tok, layout_cfg, s["batch_size"], s["eval_batches"], s["mem_len"], rank, s["world"],
-                       source=what)
-        part_sum, part_count = ev.sums(lm, device)
-        loss_sum, count = loss_sum + part_sum, count + part_count
+    with eval_bar(s["world"] * s["eval_batches"], progress) as bar:
+        for rank in range(s["world"]):  # the run's ranks' shares of the rows, one after the other
+            ev = Evaluator(tokens, tok, layout_cfg, s["batch_size"], s["eval_batches"], s["mem_len"], rank,
+                           s["world"], source=what)
+            part_sum, part_count = ev.sums(lm, device, bar)
+            loss_sum, count = loss_sum + part_sum, count + part_count
     layout = {n: s[n] for n in LAYOUT_SETTINGS if n != "batch_size"}
     return {"model": src.path, "step": src.step, "data": what, "batches": s["eval_batches"],
             "rows": s["batch_size"] * s["world"], "layout": {**layout, "bi_data": layout_cfg.bi_data},

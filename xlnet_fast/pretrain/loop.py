@@ -81,18 +81,29 @@ def _prepare_tokenizer(c: TrainConfig, plan: RunPlan, rank: int, world: int) -> 
         recipe = f"{objective.tokenizer_recipe}:" if objective.tokenizer_recipe else ""  # XLNet's keys as before
         key = hashlib.sha256(f"{recipe}v{c.vocab_size}:{plan.data_digest}".encode()).hexdigest()[:16]
     d = os.path.join(cache_root(c), "tokenizers", key)
+    trained_in = None  # seconds, when this process trained it
     if rank == 0 and not os.path.isdir(d):
         tmp = d + f".tmp{os.getpid()}"
         if source is None:
+            kind = "a sentencepiece (unigram)" if objective.model == XLNET else "a word-level"
+            files = " ".join(map(str, c.data[:3])) + (f" and {len(c.data) - 3} more files" if len(c.data) > 3 else "")
+            logger.info("training %s tokenizer of at most %d tokens on %s (once: cached in %s for runs on the same "
+                        "text)", kind, c.vocab_size, files, d)
+            t0 = time.perf_counter()
             objective.train_tokenizer(iter_lines(c.data), c.vocab_size, tmp)
+            trained_in = time.perf_counter() - t0
         else:
             os.makedirs(tmp, exist_ok=True)
             shutil.copyfile(source, os.path.join(tmp, SPIECE_NAME))
         _publish_dir(tmp, d)
     barrier(world)
     if os.path.exists(os.path.join(d, SPIECE_NAME)):
-        return XLNetTokenizer(os.path.join(d, SPIECE_NAME))
-    return load_tokenizer_dir(d)
+        tokenizer = XLNetTokenizer(os.path.join(d, SPIECE_NAME))
+    else:
+        tokenizer = load_tokenizer_dir(d)
+    if trained_in is not None:
+        logger.info("trained the tokenizer in %.1f s: a vocabulary of %d tokens", trained_in, tokenizer.vocab_size)
+    return tokenizer
 
 
 def _prepare_batches(c: TrainConfig, plan: RunPlan, tokenizer: Tokenizer, rank: int, world: int) -> tuple:

@@ -22,10 +22,13 @@ from ..pretrain.errors import UsageError
 
 @torch.no_grad()
 def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_segments: int | None = None,
-               mem_start: str | None = None) -> dict:
+               mem_start: str | None = None, progress: bool = False) -> dict:
     """``{"loss_sum", "tokens", "segments", "seconds"}`` of a ``TransfoXLLMHeadModel`` over ``tokens
     (N,)``: the sum of the next-token negative log-likelihoods (float64) and how many were scored.
-    The memory starts as ``model.init_mems(batch_size, start=mem_start)``."""
+    The memory starts as ``model.init_mems(batch_size, start=mem_start)``. ``progress``: a bar of
+    the segments on stderr."""
+    from ..pretrain.evaluate import eval_bar
+
     if tgt_len < 1 or batch_size < 1:
         raise ValueError(f"tgt_len and batch_size must be positive, got {tgt_len} and {batch_size}")
     n_step = tokens.numel() // batch_size
@@ -37,19 +40,23 @@ def stream_nll(model, tokens: Tensor, tgt_len: int, batch_size: int = 1, max_seg
     model.eval()
     mems = model.init_mems(batch_size, start=mem_start)
     loss_sum, count, segments = torch.zeros((), dtype=torch.float64, device=device), 0, 0
+    starts = range(0, n_step - 1, tgt_len)
+    if max_segments is not None:
+        starts = starts[:max(max_segments, 0)]
     t0 = time.perf_counter()
     try:
-        for start in range(0, n_step - 1, tgt_len):
-            if max_segments is not None and segments >= max_segments:
-                break
-            L = min(tgt_len, n_step - 1 - start)
-            out = model.transformer(data[:, start:start + L], mems=mems)
-            hidden = out.last_hidden_state
-            nll = model.crit.nll(hidden.reshape(-1, hidden.shape[-1]), data[:, start + 1:start + 1 + L].reshape(-1))
-            loss_sum += nll.double().sum()
-            count += nll.numel()
-            segments += 1
-            mems = out.mems
+        with eval_bar(len(starts), progress, unit="segment") as bar:
+            for start in starts:
+                L = min(tgt_len, n_step - 1 - start)
+                out = model.transformer(data[:, start:start + L], mems=mems)
+                hidden = out.last_hidden_state
+                nll = model.crit.nll(hidden.reshape(-1, hidden.shape[-1]),
+                                     data[:, start + 1:start + 1 + L].reshape(-1))
+                loss_sum += nll.double().sum()
+                count += nll.numel()
+                segments += 1
+                mems = out.mems
+                bar.update(1)
         if device.type == "cuda":
             torch.cuda.synchronize()
     finally:
@@ -74,10 +81,10 @@ def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int
                             clamp_len: int | None = None, same_length: bool | None = None,
                             mem_start: str | None = None, batch_size: int = 10,
                             batches: int | None = None, tokenizer: str | None = None, backend: str | None = None,
-                            device: torch.device | None = None) -> dict:
+                            device: torch.device | None = None, progress: bool = False) -> dict:
     """``xlnet-fast eval`` for a Transformer-XL directory: perplexity of the text files ``data``.
     ``mem_len``, ``clamp_len``, ``same_length``: the model's unless given; ``batches``: at most this
-    many segments. A user's mistake is a ``UsageError``."""
+    many segments; ``progress``: a bar of the segments on stderr. A user's mistake is a ``UsageError``."""
     from ..pretrain.corpus import check_readable
     from .model import TransfoXLLMHeadModel
     from .tokenizer import TransfoXLTokenizer
@@ -102,7 +109,7 @@ def evaluate_transfo_xl_dir(model_dir: str, data: list[str] | None, tgt_len: int
     tokens = encode_files([os.path.abspath(p) for p in data], tok)
     model.to(device or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        r = stream_nll(model, tokens, tgt_len, batch_size, batches)
+        r = stream_nll(model, tokens, tgt_len, batch_size, batches, progress=progress)
     except ValueError as exc:
         raise UsageError(f"--data: {exc}") from None
     loss = r["loss_sum"] / r["tokens"]
