@@ -37,8 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # not copied: what git ignores here (.gitignore) and the repository's history
-IGNORED = (".git", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache", ".hypothesis", ".benchmarks",
-           "runs", ".whl")
+IGNORED = (".git", ".venv", "venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache", ".hypothesis",
+           ".benchmarks", "runs", ".whl")
 
 
 @dataclass(frozen=True)
