@@ -23,7 +23,7 @@ from torch import nn
 
 from .distributed import all_sum
 from .errors import UsageError
-from .evaluate import _run_eval_tokens, check_eval_files, eval_bar, eval_row
+from .evaluate import eval_bar, eval_row, eval_tokens
 
 
 class StreamBatches:
@@ -158,11 +158,8 @@ def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None 
     ``eval_loss`` of the run's metrics row at that step. ``overrides``: ``tgt_len``, ``mem_len``,
     ``clamp_len``, ``same_length``, ``mem_start``, ``attn_backend`` (None: the run's); ``progress``: bars on
     stderr (preparing the text, the segments)."""
-    import os
-
     from .artifacts import load_lm, load_tokenizer
     from .outputs import default_cache_dir
-    from .prepare import prepared_tokens
 
     settings = src.record["settings"]
     world = src.record.get("world_size") or 1
@@ -174,13 +171,7 @@ def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None 
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     tok = load_tokenizer(src, tokenizer)
     cache_dir = default_cache_dir(cache_dir)
-    if data:
-        data = [os.path.abspath(p) for p in data]
-        check_eval_files(data, "--data")
-        tokens = prepared_tokens(data, tok, cache_dir, progress=progress, verify=verify_data)
-        what = " ".join(data)
-    else:
-        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data, progress)
+    tokens, what = eval_tokens(src, data, tok, cache_dir, verify_data, progress)
     lm = load_lm(src, **{k: v for k, v in overrides.items() if v is not None})
     if tok.vocab_size > lm.config.vocab_size:
         raise UsageError(f"the tokenizer has {tok.vocab_size} symbols, the model only {lm.config.vocab_size}")

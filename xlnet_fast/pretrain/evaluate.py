@@ -253,6 +253,20 @@ def _eval_settings(src, overrides: dict) -> dict:
     return s
 
 
+def eval_tokens(src, data: list[str] | None, tokenizer, cache_dir: str, verify_data: bool = False,
+                progress: bool = False) -> tuple[np.ndarray | TokenShards, str]:
+    """What ``xlnet-fast eval`` runs on, and its description: ``data``'s files (``--data``, prepared
+    and cached), else the text the run evaluated on (``_run_eval_tokens``; ``src`` must then be a
+    training checkpoint)."""
+    if data:
+        data = [os.path.abspath(p) for p in data]
+        check_eval_files(data, "--data")
+        return prepared_tokens(data, tokenizer, cache_dir, progress=progress, verify=verify_data), " ".join(data)
+    if not src.is_checkpoint:
+        raise UsageError(f"--model {src.path} is not a training checkpoint: pass --data FILE... to evaluate on")
+    return _run_eval_tokens(src, tokenizer, cache_dir, verify_data, progress)
+
+
 def _run_eval_tokens(src, tokenizer: XLNetTokenizer, cache_dir: str, verify_data: bool = False,
                      progress: bool = False) -> tuple[np.ndarray | TokenShards, str]:
     """The text the run evaluated on: its ``--eval-data`` (refused when its content changed since
@@ -310,15 +324,7 @@ def evaluate_model_dir(model: str, data: list[str] | None = None, batches: int |
                          "tokenizer")
     cache_dir = default_cache_dir(cache_dir)
     verify_data = bool(verify_data)
-    if data:
-        data = [os.path.abspath(p) for p in data]
-        check_eval_files(data, "--data")
-        tokens = prepared_tokens(data, tok, cache_dir, progress=progress, verify=verify_data)
-        what = " ".join(data)
-    elif src.is_checkpoint:
-        tokens, what = _run_eval_tokens(src, tok, cache_dir, verify_data, progress)
-    else:
-        raise UsageError(f"--model {src.path} is not a training checkpoint: pass --data FILE... to evaluate on")
+    tokens, what = eval_tokens(src, data, tok, cache_dir, verify_data, progress)
     overrides = {"mem_len": s["mem_len"], "reuse_len": s["reuse_len"]}
     lm = load_lm(src, **overrides, **({"attn_backend": backend} if backend else {}))
     if tok.vocab_size > lm.config.vocab_size:
