@@ -440,26 +440,9 @@ def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
     per_test = round(min(PER_TEST_TIMEOUT_S, max(timeout_s * 0.5, 1.0)), 1)
     env[pinned_configs.TIMEOUT_ENV] = str(per_test)
     r.log(f"pytest (up to {timeout_s:.0f} s, {per_test:g} s a test): {' '.join(cmd[cmd.index('--rootdir') + 2:])}")
-    lines: list = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="campaign_pytest_") as cwd:  # .hypothesis and the like land here
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        r.line(f"{GROUP_PREFIX}{proc.pid}")
-
-        def read():
-            for line in proc.stdout:
-                lines.append(line.rstrip("\n"))
-                r.log(lines[-1], console=False)
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        try:
-            returncode, stopped = proc.wait(timeout=max(timeout_s, 0.1)), False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started: pytest and its workers
-            returncode, stopped = proc.wait(), True
-        reader.join(timeout=10)
+        lines, returncode, stopped = _run_logged(r, cmd, cwd, env, timeout_s)
     result = parse_pytest(lines)
     result.update(returncode=returncode, seconds=round(time.time() - t0, 1), targets=list(plan.pytest_targets),
                   k=plan.pytest_k, command=" ".join(cmd[1:]), pinned_config=pinned, per_test_timeout_s=per_test)
@@ -687,11 +670,10 @@ def step_ncu(r: Reporter, plan: Plan) -> None:
         r.attempt("ncu_run", run, **fields)
 
 
-def _run_group(r: Reporter, cmd: list, env: dict, timeout_s: float) -> list:
-    """``cmd``'s output lines (to the log), in a process group of its own that the campaign kills
-    with the step; stopped after ``timeout_s`` (TimeoutError), a failure (RuntimeError)."""
-    r.log(f"running (up to {timeout_s:.0f} s): {shlex.join(cmd)}")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def _run_logged(r: Reporter, cmd: list, cwd, env: dict, timeout_s: float) -> tuple[list, int, bool]:
+    """``cmd`` in a process group of its own (which the campaign kills with the step), each output
+    line to the log; the group killed after ``timeout_s``: (its lines, exit status, whether stopped)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     r.line(f"{GROUP_PREFIX}{proc.pid}")
     lines: list = []
@@ -704,13 +686,21 @@ def _run_group(r: Reporter, cmd: list, env: dict, timeout_s: float) -> list:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        returncode = proc.wait(timeout=max(timeout_s, 0.1))
+        returncode, stopped = proc.wait(timeout=max(timeout_s, 0.1)), False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        reader.join(timeout=10)
-        raise TimeoutError(f"stopped after {timeout_s:.0f} s (the step's share of the budget)") from None
+        os.killpg(proc.pid, signal.SIGKILL)  # the process group we started: the program and its workers
+        returncode, stopped = proc.wait(), True
     reader.join(timeout=10)
+    return lines, returncode, stopped
+
+
+def _run_group(r: Reporter, cmd: list, env: dict, timeout_s: float) -> list:
+    """``cmd``'s output lines (``_run_logged``, from the repository's root); stopped after ``timeout_s``
+    (TimeoutError), a failure (RuntimeError)."""
+    r.log(f"running (up to {timeout_s:.0f} s): {shlex.join(cmd)}")
+    lines, returncode, stopped = _run_logged(r, cmd, ROOT, env, timeout_s)
+    if stopped:
+        raise TimeoutError(f"stopped after {timeout_s:.0f} s (the step's share of the budget)")
     if returncode != 0:
         raise RuntimeError(f"exit status {returncode}: " + " | ".join(lines[-5:]))
     return lines

@@ -158,6 +158,23 @@ def test_a_failing_a_dying_and_a_hanging_step_are_recorded_and_the_next_steps_ru
     assert "not started: the budget was used up" in summary
 
 
+def test_a_program_a_step_runs_is_logged_and_killed_past_its_time(tmp_path, capsys):
+    """``_run_logged`` (the correctness step's pytest, the ncu step's programs): every line logged,
+    the program's process group killed after its time; ``_run_group`` turns that into a
+    TimeoutError and a failing exit into a RuntimeError with its last lines."""
+    r = campaign.Reporter(deadline=time.time() + 60, device="cpu")
+    sleeper = [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"]
+    begin = time.time()
+    lines, returncode, stopped = campaign._run_logged(r, sleeper, tmp_path, dict(os.environ), 2.0)
+    assert stopped and lines == ["started"] and returncode != 0 and time.time() - begin < 30
+    with pytest.raises(TimeoutError, match="stopped after 1 s"):
+        campaign._run_group(r, sleeper, dict(os.environ), 1.0)
+    failing = [sys.executable, "-c", "print('why'); raise SystemExit(3)"]
+    with pytest.raises(RuntimeError, match=r"exit status 3: why"):
+        campaign._run_group(r, failing, dict(os.environ), 30.0)
+    assert campaign._run_group(r, [sys.executable, "-c", "print('ok')"], dict(os.environ), 30.0) == ["ok"]
+
+
 def test_items_past_the_deadline_are_cut_and_an_item_out_of_memory_or_raising_is_recorded(capsys):
     r = campaign.Reporter(deadline=time.time() - 1, device="cpu")
     assert list(r.each([1, 2, 3], lambda x: f"item{x}", "xlnet_attn")) == []
