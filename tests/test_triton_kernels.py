@@ -29,6 +29,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 rel = functools.partial(rel_err, floor=1e-12)
 
 
+def agrees(fused, ref, eager_fp32, rtol: float) -> bool:
+    """The kernels' fp32 result against the float64 reference: within ``rtol``, or, where the exact
+    value cancels to ~0 (a relative error then means nothing: e.g. one visible key, so dS = P(dP - δ)
+    is 0 up to rounding), off by no more than 1e-6 or 3x what eager fp32 on the same inputs is off
+    (FlashAttention's tests' yardstick: the error fp32 itself makes)."""
+    if rel(fused, ref) < rtol:
+        return True
+    error = (fused.double() - ref).abs().max()
+    return bool(error < max(1e-6, 3 * float((eager_fp32.double() - ref).abs().max())))
+
+
 CASES = {
     "content_seg_mem": dict(B=2, M=37, H=2, D=16, mlen=13),
     "no_seg_no_mem": dict(B=1, M=35, H=1, D=16, mlen=0, seg=False),
@@ -427,10 +438,11 @@ def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, s
                      self_visible=self_visible, q_pos=q_pos, dtype=torch.float32, seed=seed).to(device=DEVICE)
     dout = torch.randn(case.q.shape, device=DEVICE)
     out, g_tri = grads(triton_attention, case, dout)
+    out_fp32, g_fp32 = grads(eager_attention, case, dout)
     ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
-    assert rel(out, ref) < 1e-5 or (out - ref).abs().max() < 1e-6
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4 or (a.double() - b).abs().max() < 1e-6, n
+    assert agrees(out, ref, out_fp32, 1e-5)
+    for n, a, b, e in zip(GRAD_NAMES, g_tri, g_ref, g_fp32):
+        assert agrees(a, b, e, 1e-4), n
 
 
 @pytest.mark.parametrize("D", [16, 64, 128])
@@ -452,10 +464,11 @@ def test_fuzz_heads_and_head_dims_against_eager(D, B, H, qlen, mlen, targets, ma
                      seed=seed).to(device=DEVICE)
     dout = torch.randn(case.q.shape, generator=g).to(DEVICE)
     out, g_tri = grads(triton_attention, case, dout)
+    out_fp32, g_fp32 = grads(eager_attention, case, dout)
     ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
-    assert rel(out, ref) < 1e-5 or (out - ref).abs().max() < 1e-6
-    for n, a, b in zip(GRAD_NAMES, g_tri, g_ref):
-        assert rel(a, b) < 1e-4 or (a.double() - b).abs().max() < 1e-6, n
+    assert agrees(out, ref, out_fp32, 1e-5)
+    for n, a, b, e in zip(GRAD_NAMES, g_tri, g_ref, g_fp32):
+        assert agrees(a, b, e, 1e-4), n
 
 
 def test_two_stream_single_launch_matches_eager():
