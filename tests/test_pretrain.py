@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.pretraining import (WORDS, free_port, pretrain_command, reference_tokens, stopped_after,
-                                 train_config)
+                                 terminated_after_rows, train_config)
 from helpers.reference import original_local_perm
 
 from xlnet_fast import XLNetConfig, XLNetLMHeadModel
@@ -190,15 +190,9 @@ def _cli(tmp_path, corpus, *extra):
 
 
 def test_sigterm_saves_and_exits_zero(corpus, tmp_path):
-    proc = subprocess.Popen(_cli(tmp_path, corpus, "--steps", "100000"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    returncode, out = terminated_after_rows(_cli(tmp_path, corpus, "--steps", "100000"), metrics, 3)
+    assert returncode == 0, out
     assert "SIGTERM" in out
     ckpts = sorted((tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts and (ckpts[-1] / "COMPLETE").exists()

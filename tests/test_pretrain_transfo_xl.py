@@ -7,16 +7,14 @@ and trains on two ranks as on one."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 from helpers.compare import rel_err
-from helpers.pretraining import free_port, stopped_after
+from helpers.pretraining import free_port, stopped_after, terminated_after_rows
 from helpers.transfo_xl import SMALL, hf4_config, layout_state
 
 from xlnet_fast import TransfoXLConfig, TransfoXLLMHeadModel, TransfoXLTokenizer
@@ -237,15 +235,9 @@ def test_mistakes_are_one_line(corpus, tmp_path, extra, message, capsys):
 
 
 def test_sigterm_saves_and_a_resume_cannot_change_the_model(corpus, tmp_path):
-    proc = subprocess.Popen(command(tmp_path / "run", corpus, tmp_path / "cache", "--steps", "100000"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not rows.exists() or len(rows.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "pretrain stopped by SIGTERM" in out, out
+    returncode, out = terminated_after_rows(command(tmp_path / "run", corpus, tmp_path / "cache", "--steps", "100000"),
+                                            tmp_path / "run" / "metrics.jsonl", 2)
+    assert returncode == 0 and "pretrain stopped by SIGTERM" in out, out
     step = int(sorted((tmp_path / "run" / "checkpoints").iterdir())[-1].name.split("_")[1])
     res = subprocess.run(command(tmp_path / "run", corpus, tmp_path / "cache", "--steps", str(step + 1), "--resume"),
                          capture_output=True, text=True)

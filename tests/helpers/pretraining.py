@@ -99,3 +99,21 @@ def stopped_after(run, step: int, into) -> None:
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     with open(into / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
+
+
+def terminated_after_rows(cmd: list, metrics, rows: int, timeout_s: float = 120) -> tuple[int, str]:
+    """Start ``cmd`` (a ``pretrain``), send it SIGTERM once its ``metrics`` file holds ``rows`` rows (or
+    after ``timeout_s``), and return its exit status and output (stdout and stderr together)."""
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    metrics = Path(metrics)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < rows):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out
