@@ -9,7 +9,8 @@ Per (query tile, key tile) the score tile is built in registers and never writte
   tile reads ``raw[i, qlen + j - p_i - w0]``. Flattened row-major, that is the element at
   ``i * 2*BLOCK_N + (qlen + j - p_i - w0)``: the original reshape ``rel_shift`` as an index identity.
   One 1-D ``tl.gather`` on the flattened window reads it through shared memory straight into the
-  accumulator's layout (a 2-D gather along rows would be re-laid out through shared memory and back);
+  accumulator's layout (a 2-D gather along rows would be re-laid out through shared memory and back).
+  The window is flattened in an order that spreads its rows over the banks (``_flatten_window``);
 * segment term — two per-row scalars ``(q + r_s_bias) . seg_embed[0/1]`` picked by segment equality;
 * masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
   bool tile, padding rows (negative position), k_r rows past the end ("uni").
@@ -130,6 +131,53 @@ def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
     return QueryTile(pos, row_ok, seg_q, rank_q, own_col, src_row, q_w, q_r, e_delta)
 
 
+# Skew windows go through shared memory: tl.gather stores its source there in flat order, and reads
+# it back per element. Stored row after row, a window's rows are a multiple of 128 B apart, so the
+# rows one warp stores at once (an MMA accumulator's lane quad holds 8 consecutive columns of a
+# row; a warp, 8 rows) all fall in the same banks: 4-way conflicts for fp32, 8-way for 16-bit. The
+# windows are flattened instead as (row // 4, column // 8, row % 4, column % 8): four rows' groups
+# of 8 columns side by side. fp32 stores are then conflict-free (16 lanes write 4 rows x 32 B), 16-bit
+# stores and the skewed reads conflict at most 2-way (bench/NOTES.md, kernel v4).
+WINDOW_ROWS = tl.constexpr(4)
+WINDOW_COLS = tl.constexpr(8)
+WINDOW_SHIFT = tl.constexpr(3)  # log2(WINDOW_COLS)
+
+
+@triton.jit
+def _flatten_window(window, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """A (ROWS, COLS) window as the 1-D tensor ``_window_index`` addresses."""
+    grouped = tl.reshape(window, [ROWS // WINDOW_ROWS, WINDOW_ROWS, COLS // WINDOW_COLS, WINDOW_COLS])
+    return tl.reshape(tl.permute(grouped, (0, 2, 1, 3)), [ROWS * COLS])
+
+
+@triton.jit
+def _window_row(row, COLS: tl.constexpr):
+    """Where row ``row`` of a window of COLS columns starts in ``_flatten_window``'s order."""
+    return (row // WINDOW_ROWS) * (WINDOW_ROWS * COLS) + (row % WINDOW_ROWS) * WINDOW_COLS
+
+
+@triton.jit
+def _window_col(col):
+    """Column ``col >= 0``'s offset from its row's start: one shift and one multiply-add."""
+    return col + (col >> WINDOW_SHIFT) * ((WINDOW_ROWS - 1) * WINDOW_COLS)
+
+
+@triton.jit
+def _window_index(row, col, COLS: tl.constexpr):
+    """Flat index of element (row, col >= 0) of a window of COLS columns flattened by ``_flatten_window``."""
+    return _window_row(row, COLS) + _window_col(col)
+
+
+@triton.jit
+def _skewed_index(row, col, lag, COLS: tl.constexpr):
+    """``_window_index(row, col + lag, COLS)`` for ``col >= 0`` and ``col + lag >= 0`` (operands
+    broadcast: ``row`` and ``lag`` per window row, ``col`` per column), with the carry out of the
+    low column bits made explicit: in a thread's registers ``col % 8`` takes two values, so what
+    varies per element folds into the loads' constant offsets."""
+    carry = ((col & (WINDOW_COLS - 1)) + (lag & (WINDOW_COLS - 1))) >> WINDOW_SHIFT
+    return (_window_row(row, COLS) + _window_col(lag)) + (_window_col(col) + carry * ((WINDOW_ROWS - 1) * WINDOW_COLS))
+
+
 @triton.jit
 def _padded_keys(N_KEYS):
     """The KEYS table's row length: N_KEYS rounded up to KEY_PAD."""
@@ -148,8 +196,7 @@ def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     banded = p_hi - p_lo <= BLOCK_N
     # rows past M (masked) may have any position: keep their index in range
     lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_N)
-    local = tl.arange(0, BLOCK_M)
-    flat_idx = local[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :] + lag[:, None]
+    flat_idx = _skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :], lag[:, None], 2 * BLOCK_N)
     return p_hi, p_lo, banded, lag, flat_idx
 
 
@@ -166,8 +213,8 @@ def _load_rows(base, stride_row, first, n_rows, offs_d, ROWS: tl.constexpr, HEAD
 @triton.jit
 def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """bd (BLOCK_M, BLOCK_N) from a window given as two (BLOCK_M, BLOCK_N) halves."""
-    window = tl.permute(tl.join(raw_lo, raw_hi), (0, 2, 1))  # (BLOCK_M, 2, BLOCK_N)
-    flat = tl.reshape(window, [BLOCK_M * 2 * BLOCK_N])
+    window = tl.reshape(tl.permute(tl.join(raw_lo, raw_hi), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
+    flat = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
     return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
                       [BLOCK_M, BLOCK_N])
 
@@ -175,7 +222,7 @@ def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 @triton.jit
 def _skew_window(raw, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """bd (BLOCK_M, BLOCK_N) from a (BLOCK_M, 2*BLOCK_N) window."""
-    flat = tl.reshape(raw, [BLOCK_M * 2 * BLOCK_N])
+    flat = _flatten_window(raw, BLOCK_M, 2 * BLOCK_N)
     return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
                       [BLOCK_M, BLOCK_N])
 
@@ -194,9 +241,10 @@ def _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
     for c0 in range(c_first, c_end, 2 * BLOCK_N):
         kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
         raw = tl.dot(query.q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        col = qlen + n0 - query.pos[:, None] + jj[None, :] - c0
+        lag = qlen + n0 - c0 - query.pos  # window column of key column 0, per row (may be negative)
+        col = lag[:, None] + jj[None, :]
         inside = (col >= 0) & (col < 2 * BLOCK_N) & query.row_ok[:, None]
-        flat_idx = local[:, None] * (2 * BLOCK_N) + tl.where(inside, col, 0)
+        flat_idx = tl.where(inside, _skewed_index(local[:, None], jj[None, :], lag[:, None], 2 * BLOCK_N), 0)
         bd += tl.where(inside, _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N), 0.0)
     return bd
 
@@ -432,7 +480,8 @@ def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     the previous key tile's ``ds_prev[i, BLOCK_N + c - lag_i]`` (its window's upper half is this
     one's lower half). With ``[ds_prev | ds]`` side by side that is flat column
     ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather."""
-    window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M * 2 * BLOCK_N])
+    window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
+    window = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
     return tl.reshape(tl.gather(window, unskew_idx, axis=0), [BLOCK_M, BLOCK_N])
 
 
@@ -443,17 +492,17 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
     ``out[i, c] = dS[i, j]`` for the j with ``qlen + j - p_i = c0 + c`` (0 if none in this tile);
     ``TRANSPOSED``: (N_OUT, BLOCK_M), gathered in that order (a ``tl.trans`` before the next dot
     would end triton's chain of dots there, see ``_bwd_kr_kernel``)."""
-    flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
+    flat = _flatten_window(ds, BLOCK_M, BLOCK_N)
+    lag = c0 - qlen - n0 + pos  # dS column of output column 0, per row (may be negative)
     if TRANSPOSED:
-        jj = c0 + tl.arange(0, N_OUT)[:, None] - qlen + pos[None, :] - n0
-        inside = (jj >= 0) & (jj < BLOCK_N) & row_ok[None, :]
-        index = tl.arange(0, BLOCK_M)[None, :] * BLOCK_N + tl.where(inside, jj, 0)
+        out_col, lag, row, row_ok = tl.arange(0, N_OUT)[:, None], lag[None, :], tl.arange(0, BLOCK_M)[None, :], row_ok[None, :]
         shape: tl.constexpr = [N_OUT, BLOCK_M]
     else:
-        jj = c0 + tl.arange(0, N_OUT)[None, :] - qlen + pos[:, None] - n0
-        inside = (jj >= 0) & (jj < BLOCK_N) & row_ok[:, None]
-        index = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.where(inside, jj, 0)
+        out_col, lag, row, row_ok = tl.arange(0, N_OUT)[None, :], lag[:, None], tl.arange(0, BLOCK_M)[:, None], row_ok[:, None]
         shape: tl.constexpr = [BLOCK_M, N_OUT]
+    jj = out_col + lag
+    inside = (jj >= 0) & (jj < BLOCK_N) & row_ok
+    index = tl.where(inside, _skewed_index(row, out_col, lag, BLOCK_N), 0)
     got = tl.gather(flat, tl.reshape(index, [BLOCK_M * N_OUT]), axis=0)
     return tl.where(inside, tl.reshape(got, shape), 0.0)
 
@@ -693,8 +742,8 @@ def _bwd_q_kernel(
         if CARRY_PRODUCT:
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
-        unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + BLOCK_N
-                                + tl.arange(0, BLOCK_N)[None, :] - lag[:, None], [BLOCK_M * BLOCK_N])
+        unskew_idx = tl.reshape(_skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
+                                              BLOCK_N - lag[:, None], 2 * BLOCK_N), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)

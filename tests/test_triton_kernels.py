@@ -268,6 +268,23 @@ def test_tiles_not_square_match_eager(name, block_m, block_n, deterministic, mon
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols,n", [(16, 32, 16), (32, 128, 64)])
+def test_skew_windows_read_back_what_was_stored(rows, cols, n, dtype):
+    """The skew windows are flattened in a bank-spreading order, not row-major: every skewed read
+    (each row's own lag, negative or crossing the 8-column groups) gets the element it means."""
+    from helpers.window_probe import skewed_read_kernel
+
+    window = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
+    lag = torch.randint(-n, cols, (rows,), generator=torch.Generator().manual_seed(rows)).to(torch.int32)
+    lag[:3] = torch.tensor([0, cols - n, -3], dtype=torch.int32)
+    out = torch.empty(2, rows, n, dtype=dtype, device=DEVICE)
+    skewed_read_kernel[(1,)](window, lag.to(DEVICE), out, rows, cols, n)
+    padded = torch.cat([torch.zeros(rows, n, dtype=dtype), window.cpu(), torch.zeros(rows, n, dtype=dtype)], 1)
+    expected = torch.stack([padded[i, n + int(lag[i]):2 * n + int(lag[i])] for i in range(rows)])
+    assert torch.equal(out[0].cpu(), expected) and torch.equal(out[1].cpu(), expected)
+
+
 def test_philox_reference_matches_the_published_known_answers():
     # Random123's kat_vectors for philox4x32_10: counter and key all zeros / all ones
     zero, ones = torch.zeros(1, dtype=torch.long), torch.full((1,), 0xFFFFFFFF)
