@@ -491,6 +491,13 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     profiled = [i for i, item in enumerate(items) if item[0] == "profile"]
     assert [items[i][3] for i in profiled[:3]] == list(campaign.PROFILED)
     assert items[profiled[0] - 1][1] == first and items[profiled[2] + 1][1] == second
+    # then ours right after every later point's timings (the long sequences, D=128): where its time goes
+    expected = []
+    for D in full.sweep_D:
+        d_cases = [c for c in full.sweep_cases() if c.D == D]
+        expected += [(d_cases[0], p) for p in campaign.PROFILED] + [(c, "xlnet_fast") for c in d_cases[1:]]
+    assert [(items[i][1], items[i][3]) for i in profiled] == expected
+    assert all(items[i - 1][0] in ("time", "profile") and items[i - 1][1] == items[i][1] for i in profiled)
     checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
     for qlen in (512, 4096):
         for two_stream in (False, True):
