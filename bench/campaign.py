@@ -111,6 +111,8 @@ SWEEP_MODES = ("fwd", "fwd_bwd")
 GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "hf", "xlnet_fast_det", "fa2_ref", "flex")
 # Profiled per kernel at each D's first point (the first GPU run's most telling measurement).
 PROFILED = ("xlnet_fast", "xlnet_fast_det", "fa2_ref")
+# what the H100's op table compared them with (our eager path: "unfused eager"), whatever the plan's providers
+ANOMALY_PROVIDERS = ("xlnet_fast", "sdpa_flash", "eager")
 # The ncu step: Nsight Compute (clocks left alone) on the attention kernels, ours and the FA2
 # reference's, one forward+backward each after a warm-up (bench.attention --ncu), with the sections
 # the H100's runbook read, the shared-memory bank conflicts and wavefronts (what the compile report's
@@ -159,6 +161,9 @@ class Plan:
     sweep_H: int = 16
     sweep_tokens: int = 16384  # B = max(1, sweep_tokens // qlen)
     sweep_dtype: str = "bf16"
+    # the H100's two anomalies (issue 34, item 4), as it measured them: (B, H, qlen, mlen, D), timed
+    # (ours, SDPA-flash, eager) and ours profiled after the sweep's points of the same D
+    anomaly_shapes: tuple = ((2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128))
     providers: tuple = GPU_PROVIDERS
     models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),
                      ("large", cases.ModelCase("large", B=8, seq=512, mlen=384, predict=85)))
@@ -181,6 +186,11 @@ class Plan:
     ncu_runs: tuple = (("pinned_64x64w4s1", ("64x64w4s1",), ("xlnet_fast", "fa2_ref")),
                        ("autotuned", None, ("xlnet_fast",)))
 
+    def anomaly_cases(self, D: int) -> list:
+        """``anomaly_shapes`` of head dim ``D`` as cases of the sweep's dtype."""
+        dtype = cases.DTYPES[self.sweep_dtype]
+        return [cases.AttentionCase(B, H, qlen, mlen, d, dtype) for B, H, qlen, mlen, d in self.anomaly_shapes if d == D]
+
     def sweep_cases(self) -> list:
         """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
         dtype = cases.DTYPES[self.sweep_dtype]
@@ -198,7 +208,7 @@ PLANS = {
         pytest_targets=(GPU_TESTS[0], GPU_TESTS[2]),
         pytest_k="forward_backward_match_eager_and_reference or convergence_bf16",
         checks=((*_QUICK_CHECK, gpu_check.CHECKED_DTYPES, False),), config_check=_QUICK_CHECK,
-        sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096,
+        sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096, anomaly_shapes=(),
         models=(("base_2_layers", cases.ModelCase("base", B=2, seq=512, mlen=384, predict=85, n_layer=2)),),
         model_repeats=3, infer_B=4, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
     "dry": Plan(
@@ -498,6 +508,9 @@ def sweep_items(plan: Plan) -> list:
         # anomalies: a long sequence slower than more work at 512, D=128 slower than eager)
         for case, more in zip(d_cases[1:], timed[1:]):
             items += more + ([("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else [])
+        for case in plan.anomaly_cases(D):
+            items += [("time", case, m, p) for m in SWEEP_MODES for p in ANOMALY_PROVIDERS if attention.runs_in_mode(p, m)]
+            items += [("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else []
         if "xlnet_fast" in plan.providers:
             items.append(("repeat", d_cases[0], "fwd_bwd", "xlnet_fast"))
     return items

@@ -496,7 +496,15 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     for D in full.sweep_D:
         d_cases = [c for c in full.sweep_cases() if c.D == D]
         expected += [(d_cases[0], p) for p in campaign.PROFILED] + [(c, "xlnet_fast") for c in d_cases[1:]]
+        expected += [(c, "xlnet_fast") for c in full.anomaly_cases(D)]
     assert [(items[i][1], items[i][3]) for i in profiled] == expected
+    # the H100's two anomalies (issue 34 item 4), timed against SDPA-flash and eager as it measured them
+    anomalies = [(c.B, c.H, c.qlen, c.mlen, c.D) for D in full.sweep_D for c in full.anomaly_cases(D)]
+    assert anomalies == [(2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128)]
+    for case in (c for D in full.sweep_D for c in full.anomaly_cases(D)):
+        assert {(m, p) for kind, c, m, p in items if kind == "time" and c == case} == {
+            (m, p) for m in campaign.SWEEP_MODES for p in campaign.ANOMALY_PROVIDERS}
+    assert campaign.PLANS["quick"].anomaly_shapes == ()
     assert all(items[i - 1][0] in ("time", "profile") and items[i - 1][1] == items[i][1] for i in profiled)
     checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
     for qlen in (512, 4096):
