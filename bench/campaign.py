@@ -189,7 +189,8 @@ class Plan:
     def anomaly_cases(self, D: int) -> list:
         """``anomaly_shapes`` of head dim ``D`` as cases of the sweep's dtype."""
         dtype = cases.DTYPES[self.sweep_dtype]
-        return [cases.AttentionCase(B, H, qlen, mlen, d, dtype) for B, H, qlen, mlen, d in self.anomaly_shapes if d == D]
+        return [cases.AttentionCase(B, H, qlen, mlen, d, dtype)
+                for B, H, qlen, mlen, d in self.anomaly_shapes if d == D]
 
     def sweep_cases(self) -> list:
         """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
@@ -509,7 +510,8 @@ def sweep_items(plan: Plan) -> list:
         for case, more in zip(d_cases[1:], timed[1:]):
             items += more + ([("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else [])
         for case in plan.anomaly_cases(D):
-            items += [("time", case, m, p) for m in SWEEP_MODES for p in ANOMALY_PROVIDERS if attention.runs_in_mode(p, m)]
+            items += [("time", case, m, p) for m in SWEEP_MODES for p in ANOMALY_PROVIDERS
+                      if attention.runs_in_mode(p, m)]
             items += [("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else []
         if "xlnet_fast" in plan.providers:
             items.append(("repeat", d_cases[0], "fwd_bwd", "xlnet_fast"))

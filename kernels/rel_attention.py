@@ -494,11 +494,13 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
     would end triton's chain of dots there, see ``_bwd_kr_kernel``)."""
     flat = _flatten_window(ds, BLOCK_M, BLOCK_N)
     lag = c0 - qlen - n0 + pos  # dS column of output column 0, per row (may be negative)
-    if TRANSPOSED:
-        out_col, lag, row, row_ok = tl.arange(0, N_OUT)[:, None], lag[None, :], tl.arange(0, BLOCK_M)[None, :], row_ok[None, :]
+    if TRANSPOSED:  # output rows are k_r rows, its columns the tile's query rows
+        out_col, row = tl.arange(0, N_OUT)[:, None], tl.arange(0, BLOCK_M)[None, :]
+        lag, row_ok = lag[None, :], row_ok[None, :]
         shape: tl.constexpr = [N_OUT, BLOCK_M]
     else:
-        out_col, lag, row, row_ok = tl.arange(0, N_OUT)[None, :], lag[:, None], tl.arange(0, BLOCK_M)[:, None], row_ok[:, None]
+        out_col, row = tl.arange(0, N_OUT)[None, :], tl.arange(0, BLOCK_M)[:, None]
+        lag, row_ok = lag[:, None], row_ok[:, None]
         shape: tl.constexpr = [BLOCK_M, N_OUT]
     jj = out_col + lag
     inside = (jj >= 0) & (jj < BLOCK_N) & row_ok
@@ -745,7 +747,6 @@ def _bwd_q_kernel(
         unskew_idx = tl.reshape(_skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
                                               BLOCK_N - lag[:, None], 2 * BLOCK_N), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
                                HEAD_DIM).to(DOT_DTYPE)
@@ -784,7 +785,6 @@ def _bwd_q_kernel(
                         dsc, query.q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
-            cols = n0 + tl.arange(0, BLOCK_N)
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
             bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
@@ -859,7 +859,6 @@ def _bwd_kr_kernel(
             j_lo = tl.maximum(c0 - qlen + p_lo, 0)
             j_hi = tl.minimum(c0 + BLOCK_N - qlen + p_hi, N_KEYS)
             for n0 in range((j_lo // BLOCK_N) * BLOCK_N, j_hi, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
                 k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N,
                                HEAD_DIM).to(DOT_DTYPE)
                 v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
