@@ -69,10 +69,10 @@ SHORTFALLS: dict = {
         (90, 64, "dq"): {"mma": "mma.sync", "dropout": 1.45},  # measured 17.81
         (90, 128, "dkr"): {"mma": "mma.sync"},
         (90, 128, "dq"): {"mma": "mma.sync", "dropout": 1.45},
-        # the dropout seed read from device memory into the Philox counter (graph-safe dropout,
-        # issue 33; bench/NOTES.md): sm_86/89's 64x64 forward 1.35 -> 1.36x, and sm_90 dK/dV's
-        # 64x64w4s2 16 B of spill with dropout, which leaves 32x64w4s1 (3.03x) the best spill-free one
-        # kernel v4's bank-spread skew windows (bench/NOTES.md, 2026-11-27): shared-memory wavefronts
+        # Two steps led to the entries below. First, the dropout seed read from device memory into
+        # the Philox counter (graph-safe dropout, issue 33): sm_86/89's 64x64 forward 1.35 -> 1.36x,
+        # sm_90 dK/dV's 64x64w4s2 16 B of spill with dropout (best spill-free: 32x64w4s1, 3.03x).
+        # Then kernel v4's bank-spread skew windows (bench/NOTES.md, 2026-11-27): shared-memory wavefronts
         # per score fall 25-55% and every predicted time with them, but a few registers more cost
         # some builds their last spill-free byte or a few instructions, so issue 20's "best spill-free"
         # moves to a build the time model ranks slower: sm_86/89's 64x64w4s2r255 forward spills 40 B
