@@ -332,7 +332,7 @@ def _static_args(shape: _Shape) -> dict:
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R, B=B,
                     M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, scale=shape.scale, n_convert=n_convert,
                     SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
-                    ROWS_STEP=_operands.FINISH_ROWS),
+                    ROWS_STEP=_operands.FINISH_STEP // block_d),
     )
     static["dkdv"]["FIX_UP"] = False
     static["fixup"] = dict(static["dkdv"], FIX_UP=True)
