@@ -133,14 +133,14 @@ def all_cases(dims: list, streams: list, dropouts: list, deterministic: list, dt
             for det in deterministic for dtype in dtypes]
 
 
-def write_report(path: Path, meta: dict, records: list, references: list, summary: list) -> None:
-    """JSON, one record per line: {meta..., "summary", "records", "references"}."""
+def write_report(path: Path, meta: dict, records: list, references: list, summary: list, operands: list) -> None:
+    """JSON, one record per line: {meta..., "summary", "records", "references", "operand_kernels"}."""
     def rows(items):
         return "[\n" + ",\n".join(json.dumps(item, sort_keys=True) for item in items) + "\n]"
 
     head = json.dumps(meta, indent=1)[:-2]
-    text = (head + ',\n "summary": ' + rows(summary)
-            + ',\n "records": ' + rows(records) + ',\n "references": ' + rows(references) + "\n}\n")
+    text = (head + ',\n "summary": ' + rows(summary) + ',\n "records": ' + rows(records)
+            + ',\n "references": ' + rows(references) + ',\n "operand_kernels": ' + rows(operands) + "\n}\n")
     runner.write_text(path, text)
 
 
@@ -234,12 +234,13 @@ def main(argv=None) -> int:
         for arch in args.arch:
             path = runner.RESULTS_DIR / RECORD.format(arch=arch)
             write_report(path, meta, [r for r in records if r["arch"] == arch],
-                         [r for r in references if r["arch"] == arch], [s for s in summary if s["arch"] == arch])
+                         [r for r in references if r["arch"] == arch], [s for s in summary if s["arch"] == arch],
+                         [r for r in operand_records if r["arch"] == arch])
             paths.append(str(path))
         where = ", ".join(paths)
     else:
         where = runner.output_path(args, REPORT)
-        write_report(where, meta, records, references, summary)
+        write_report(where, meta, records, references, summary, operand_records)
     if args.table:
         print(table(records + references))
         print()

@@ -32,6 +32,12 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETED = interpreting()
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
+# The backward keeps dS (B*H, M, K, the dot dtype) between the dK/dV and the dQ kernels when it takes
+# at most this many bytes: the dQ kernel then reads it instead of recomputing the scores. Larger
+# calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4 step 2). Rows of
+# DS start 16-element aligned.
+STORED_DS_BYTES = 2**31
+DS_ROW_ALIGN = 16
 
 
 @functools.cache
@@ -325,8 +331,9 @@ def _static_args(shape: _Shape) -> dict:
         qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
         fwd=dict(attn, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0], stride_om=out_strides[1],
                  stride_oh=out_strides[2]),
-        dkdv=dict(attn, n_n_tiles=n_n_tiles),
-        dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles),
+        dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False),
+        dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
+                ds_pitch=0, FROM_DS=False),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
                  batch_per_kr=B // Br),
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R, B=B,
@@ -345,6 +352,13 @@ def _static_args(shape: _Shape) -> dict:
                               **_strides("g", dout[4:]),
                               **_strides("h", dout_g[4:]), **_strides("o", out_strides))
         static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
+        # dS kept between the dK/dV and dQ kernels when small enough (the FIX_UP launch stores none);
+        # else the dQ kernel recomputes it, a role of its own (its own autotuning and records)
+        static["dq_recompute"] = dict(static["dq"])
+        ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
+        if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= STORED_DS_BYTES:
+            static["dkdv"].update(STORE_DS=True, ds_pitch=ds_pitch)
+            static["dq"].update(FROM_DS=True, ds_pitch=ds_pitch)
     _STATIC[shape] = static
     return static
 
@@ -358,7 +372,8 @@ def _strides(prefix: str, strides) -> dict:
 # --------------------------------------------------------------------------------------------------
 
 
-_TUNED = {"fwd": "fwd_kernel_tuned", "dkdv": "bwd_kv_kernel_tuned", "dq": "bwd_q_kernel_tuned"}
+_TUNED = {"fwd": "fwd_kernel_tuned", "dkdv": "bwd_kv_kernel_tuned", "dq": "bwd_q_kernel_tuned",
+          "dq_recompute": "bwd_q_kernel_tuned"}
 _FIXED_CONFIGS: dict = {}
 _PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "finish": "_grad_finish_kernel"}
 
@@ -551,7 +566,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     g_parts = (torch.empty((B * H, sz["n_n_tiles"], M), dtype=torch.float32, device=device) if segments
                else grad_io["DELTA"])
     attn = _attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a)
-    kv_tensors = dict(attn, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k)
+    # dS, kept for the dQ kernel when the plan says so (else a placeholder the kernels never read)
+    ds_pitch = static["dq"]["ds_pitch"]
+    ds = (torch.empty((B * H, M, ds_pitch), dtype=q_ops["QW"].dtype, device=device) if ds_pitch
+          else grad_io["DELTA"])
+    kv_tensors = dict(attn, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, DS=ds)
     kv_grid = lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)  # noqa: E731
     kv_tiles = _run("dkdv", kv_grid, static, kv_tensors, deterministic)
     n_kv_tiles = _tile_count(static, "dkdv", deterministic, kv_tiles, "BLOCK_N", K, sz["n_n_tiles"])
@@ -564,9 +583,10 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     # g_diff (B, H, M), kernel row order: each row's sum of dS over keys of another segment (the dQ
     # kernel sums GP's n_kv_tiles per-tile sums)
     g_diff = torch.empty((B, H, M), dtype=torch.float32, device=device) if segments else g_parts
-    q_tiles = _run("dq", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
+    dq_role = "dq" if ds_pitch else "dq_recompute"
+    q_tiles = _run(dq_role, lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
                    dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
-                        n_gp=n_kv_tiles), deterministic)
+                        DS=ds, n_gp=n_kv_tiles), deterministic)
     if deterministic:
         _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), static,
              dict(attn, **grad_io, DKR=dkr_sums), deterministic)
@@ -580,7 +600,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     _run("finish", (finish["n_convert"] + H,), static,
          dict(grads, DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
               Q_G=a.q_g if a.q_g is not None else q, RS=a.r_s_bias if segments else r_w_bias, SEGD=seg_delta,
-              n_m_used=_tile_count(static, "dq", deterministic, q_tiles, "BLOCK_M", M, sz["n_m_tiles"]),
+              n_m_used=_tile_count(static, dq_role, deterministic, q_tiles, "BLOCK_M", M, sz["n_m_tiles"]),
               n_n_used=n_kv_tiles), False)
     return dq, dk, dv, grads["DKR"], grads["DRW"], grads["DRR"], grads["DRS"], grads["DSEG"]
 

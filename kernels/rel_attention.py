@@ -522,6 +522,16 @@ def _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, row_ok, offs_d, M, HEAD_DIM: tl.co
 
 
 @triton.jit
+def _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N: tl.constexpr):
+    """Pointers into DS (B*H, M, ds_pitch) of launch rows ``rows`` and keys ``n0 ..``, and their
+    mask. A scalar base per (batch row, head) and int32 offsets: the launcher keeps M * ds_pitch
+    below 2**31."""
+    cols = n0 + tl.arange(0, BLOCK_N)
+    return ((DS + bh_rows * ds_pitch) + (rows[:, None] * ds_pitch + cols[None, :]),
+            (rows < M)[:, None] & (cols < N_KEYS)[None, :])
+
+
+@triton.jit
 def _dkr_atomic(dkr_base, stride_row, first, dsc, q_r, offs_d, ROWS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics). No row mask: the launcher's DKR has
@@ -580,18 +590,20 @@ def _other_segment_sums(ds, seg_q, one_hot, keys_base, cols, N_KEYS, DOT_DTYPE: 
 # allocation, 32 B of spill at sm_90's 64x64w4s2 that the two-stream build (597 rows) has not
 @triton.jit(do_not_specialize=["M"])
 def _bwd_kv_kernel(
-    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DK, DV, GP, PARTK,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DK, DV, GP, PARTK, DS,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
-    stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_n_tiles,
+    stride_mb, stride_mm, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_n_tiles, ds_pitch,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
-    FIX_UP: tl.constexpr = False,
+    STORE_DS: tl.constexpr = False, FIX_UP: tl.constexpr = False,
 ):
     """One key tile: dK and dV over all query tiles (DK/DV are (B, K, H, D) contiguous); in PARTK
     (B*H, n_n_tiles, BLOCK_D) the tile's part of sum_ij dS_ij k_j (the r_w_bias gradient); with
     segments each query row's sum of dS over this tile's keys of another segment, in GP
     (B*H, n_n_tiles, M) at the kernels' row order (the launcher sums over key tiles).
+    ``STORE_DS``: every dS tile also to DS (B*H, M, ds_pitch), rows in the kernels' order, for the
+    dQ kernel (its ``FROM_DS``).
     ``FIX_UP`` (a second launch, after the first): only GP's rows of segment code SEG_CODES or more,
     less their same-code sums, from the key tiles that hold such codes; the other programs return."""
     pid_n = tl.program_id(0)
@@ -652,6 +664,9 @@ def _bwd_kv_kernel(
         do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
         prob_d, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                 DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=True)
+        if STORE_DS:  # for the dQ kernel, in the dot dtype it rounds dS to
+            ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
+            tl.store(ds_ptrs, ds.to(DS.dtype.element_ty), mask=ds_ok)
         gp = GP + (pid_bh.to(tl.int64) * n_n_tiles + pid_n) * M + rows
         if FIX_UP:
             # rows whose code the one-hot has no column for: their same-code sums out of the totals
@@ -688,21 +703,23 @@ def _bwd_kv_kernel(
 
 @triton.jit
 def _bwd_q_kernel(
-    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, GP, G, SEGD,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, GP, G, SEGD, DS,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
     stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_m_tiles,
-    n_n_tiles, n_gp,
+    n_n_tiles, n_gp, ds_pitch,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    NUM_WARPS: tl.constexpr,
+    NUM_WARPS: tl.constexpr, FROM_DS: tl.constexpr = False,
 ):
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
     column sums of dq (before the segment term) in PART (B*H, n_m_tiles, BLOCK_D). With segments,
     each row's sum of dS over keys of another segment: the dK/dV launch's per-key-tile sums GP
     (B*H, n_n_tiles, M), of which it filled the first n_gp tiles, summed here and written to G (B, H, M).
-    Gradients here are with respect to the log2-domain operands; the launcher applies the scale."""
+    Gradients here are with respect to the log2-domain operands; the launcher applies the scale.
+    ``FROM_DS``: the dS tiles the dK/dV kernel stored (its ``STORE_DS``) are read from DS instead of
+    recomputed (the scores, their softmax and dP: three of the loop's six products)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -735,7 +752,7 @@ def _bwd_q_kernel(
         # the product of the lower half carries too (one dot per key tile instead of two) where its
         # fp32 tile takes at most 8 registers a thread; measured: 32x32w4 tiles gain (sm_90: 54.5 ->
         # 48.5 inst/score), 32x32w2, 32x64w4 and 64x64 tiles spill more
-        CARRY_PRODUCT: tl.constexpr = BLOCK_M * BLOCK_N <= 8 * 32 * NUM_WARPS
+        CARRY_PRODUCT: tl.constexpr = BLOCK_M * BLOCK_N <= 8 * 32 * NUM_WARPS and not FROM_DS
         # on those tiles past D=64 the k_r rows are read again (from L2) rather than kept through the
         # loop: a (BLOCK_N, D) tile of them is 16 registers a thread at D=128 (sm_80 32x32w4s1: 664 ->
         # 392 B of spill, 3 inst/score fewer; sm_90 176 -> 128 B, 2.6 more). Not on larger tiles: the
@@ -752,17 +769,21 @@ def _bwd_q_kernel(
                                HEAD_DIM).to(DOT_DTYPE)
             if RELOAD_KR:
                 kr_lo = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
-            if not CARRY_PRODUCT:
-                raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
-            raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
-            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
-            s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
-                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
-                               DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
-            ds_cur = ds.to(DOT_DTYPE)
+            if FROM_DS:
+                ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
+                ds_cur = tl.load(ds_ptrs, mask=ds_ok, other=0.0).to(DOT_DTYPE)
+            else:
+                if not CARRY_PRODUCT:
+                    raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
+                raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
+                bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+                s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+                s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                                   n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
+                                   DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
+                ds_cur = ds.to(DOT_DTYPE)
             dq = tl.dot(ds_cur, k, dq, input_precision=INPUT_PRECISION)
             dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
             dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
@@ -786,14 +807,18 @@ def _bwd_q_kernel(
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
-                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
-                               DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
+            if FROM_DS:
+                ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
+                ds = tl.load(ds_ptrs, mask=ds_ok, other=0.0).to(tl.float32)
+            else:
+                bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
+                s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
+                                   n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
+                                   DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
             dq = tl.dot(ds.to(DOT_DTYPE), k.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
             c_first = qlen + n0 - p_hi
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
@@ -908,6 +933,8 @@ def _dropout_mask_kernel(KEEP, SEED, keep_threshold, M, N_KEYS, BLOCK_M: tl.cons
 # sm_90's 64x64w4s1r168 forward trades 5% more instructions and ~150 B of spill for three blocks
 # per SM instead of two (57 KB of shared memory each): on the H200 the forward ran at half the
 # FA2 reference's instructions per cycle with 8 warps per SM to its 16 (bench/NOTES.md).
+# Its dQ 64x64w4s2r168 does the same for the dQ kernel reading a stored dS (892 B of spill, 12
+# warps per SM; the model ranks it first: bench/NOTES.md, kernel v4 step 2).
 CANDIDATES = {
     80: {"fwd": ("64x64w4s2r255", "64x64w4s1r255", "32x64w4s1r255", "64x128w8s1r255", "32x32w2s2r255"),
          "dkdv": ("32x32w2s2r255", "64x64w4s1r255", "32x32w4s1r255", "64x64w4s2r255", "32x32w4s2r255"),
@@ -919,7 +946,7 @@ CANDIDATES = {
          "dkr": ("32x32w4s1r255", "32x32w2s2r255", "32x64w4s1r255", "32x32w4s2r255")},
     90: {"fwd": ("64x64w4s1", "64x64w4s2", "64x128w4s1", "32x64w4s1", "64x64w4s1r168"),
          "dkdv": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w2s2"),
-         "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2r255"),
+         "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2r255", "64x64w4s2r168"),
          "dkr": ("64x64w4s2", "64x64w4s1", "32x64w4s1", "32x32w4s1")},
     100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1"),
           "dkdv": ("64x64w4s1", "32x64w4s1", "64x128w8s1", "32x32w2s2"),
@@ -928,8 +955,10 @@ CANDIDATES = {
 }
 for _family in CANDIDATES.values():  # the dK/dV kernel's FIX_UP launch (see _bwd_kv_kernel)
     _family["fixup"] = _family["dkdv"]
+    # the dQ kernel recomputing dS (calls whose dS is not kept: kernels.STORED_DS_BYTES)
+    _family["dq_recompute"] = _family["dq"]
 CANDIDATES[120] = CANDIDATES[86]  # RTX 50: the same 99 KB of shared memory and mma.sync
-ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute")
 # Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
 # launch above either raises OutOfResources (triton's own check at launch).
 SHARED_MEMORY_PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448,
@@ -1080,10 +1109,10 @@ def _tuned(fn, role: str, key: list, **options):
 
 
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel,
-           "fixup": _bwd_kv_kernel}
+           "fixup": _bwd_kv_kernel, "dq_recompute": _bwd_q_kernel}
 fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
 # tiles of another BLOCK_N write other entries of GP and PARTK: start each timing from zeros
-bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY, reset_to_zero=["GP", "PARTK"])
-bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC"], reset_to_zero=["DKR", "PART"])
+bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY + ["STORE_DS"], reset_to_zero=["GP", "PARTK"])
+bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC", "FROM_DS"], reset_to_zero=["DKR", "PART"])
 # the deterministic dk_r kernel is not timed: deterministic mode runs every kernel at the first
 # candidate that launches (kernels.__init__._run)

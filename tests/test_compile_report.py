@@ -378,7 +378,8 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     records = written["records"]
     from xlnet_fast.kernels import rel_attention
 
-    wanted = {(arch, role, rel_attention.config_name(c)) for arch in (80, 90) for role in ("fwd", "dkdv", "dq", "fixup")
+    wanted = {(arch, role, rel_attention.config_name(c)) for arch in (80, 90)
+              for role in ("fwd", "dkdv", "dq", "fixup", "dq_recompute")
               for c in rel_attention.configs_for(arch, 64, role)}
     assert {(r["arch"], r["role"], r["config"]) for r in records} == wanted
     assert all(r["ratio_to_reference"] for r in records), "a binary without its like-for-like reference"
@@ -400,7 +401,10 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
     """The committed records (bench/results/compile_sm*.json and compile_fp32.json, triton 3.6, every
     arch) cover the candidates ``configs_for`` lists now, and, summarised again, pass the regression
     gate with the ceilings measured for triton 3.6 (no compile: CI runs triton 3.9). fp32 included: its
-    3xTF32 dQ at sm_90's 32x32w2s2 fell to 32 registers and 53.7 KB of spill without a register cap."""
+    3xTF32 dQ at sm_90's 32x32w2s2 fell to 32 registers and 53.7 KB of spill without a register cap.
+    So do their operand kernels (no spill, launchable): triton 3.6's sm_120 build of the backward's
+    finishing kernel at D=128 spilled 12 B when it summed 64 rows a step (3.9's did not)."""
+    from bench import compile_report
     from xlnet_fast.kernels import rel_attention
 
     paths = sorted(runner.RESULTS_DIR.glob("compile_*.json"))
@@ -416,6 +420,8 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
             if sorted(wanted) != sorted(c["config"] for c in s["configs"]):
                 problems.append(f"{where}: records {[c['config'] for c in s['configs']]}, candidates now {wanted}")
             problems += [f"{where}: {p}" for p in report.regressions(s, version="3.6")]
+        assert written["operand_kernels"], f"{path.name}: no operand kernel records"
+        problems += [f"{path.name}: {p}" for p in map(compile_report.operand_problem, written["operand_kernels"]) if p]
     assert not problems, "re-run python -m bench.compile_report --record, or fix the kernels:\n" + "\n".join(
         problems)
 
@@ -434,5 +440,6 @@ def test_the_time_model_orders_the_measured_configs():
     assert [f"{r['gpu']} {r['role']} {r['config']}" for r in found["rows"] if r["binary"] is None] == []
     right, scored = found["orders"][report.MODEL]
     assert scored >= 40 and right >= 0.9 * scored and right > found["orders"]["R0"][0]
+    # the dQ kernel the GPUs timed recomputed dS: its role is now dq_recompute
     assert {(x["gpu"], x["role"]) for x in found["ratios"]} == {(g, r) for g in ("H100", "H200")
-                                                              for r in ("fwd", "dkdv", "dq")}
+                                                              for r in ("fwd", "dkdv", "dq_recompute")}

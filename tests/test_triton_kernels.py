@@ -98,6 +98,40 @@ def test_forward_backward_match_eager_and_reference(name, deterministic):
     assert rel(out, case64.to(device="cpu").call(reference_attention)) < 1e-5
 
 
+def dq_plans() -> set:
+    """Whether the dQ kernel read the dK/dV kernel's stored dS, per backward plan made since the last
+    ``clear_launches``."""
+    from xlnet_fast import kernels
+
+    return {plan["dq"]["FROM_DS"] for plan in kernels._STATIC.values() if "gops" in plan}
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + ["dropout"])
+def test_dq_from_stored_ds_and_recomputed_both_match_eager(name, monkeypatch):
+    """The backward keeps dS between the dK/dV and dQ kernels when it takes at most
+    ``STORED_DS_BYTES`` (every call here), else the dQ kernel recomputes it: both ways against the
+    float64 eager path (with dropout: against each other, the mask being the kernels' own)."""
+    from xlnet_fast import kernels
+
+    case = make_case(**CASES["content_seg_mem" if name == "dropout" else name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    found = {}
+    for stored, limit in ((True, kernels.STORED_DS_BYTES), (False, 0)):
+        monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
+        kernels.clear_launches()
+        if name == "dropout":
+            torch.manual_seed(5)  # the op's dropout seed: its first draw
+            found[stored] = grads(functools.partial(triton_attention, dropout_p=0.2), case, dout)
+        else:
+            assert_matches_eager(case, dout)
+        assert dq_plans() == {stored}
+    kernels.clear_launches()
+    if name == "dropout":
+        (out_s, g_s), (out_r, g_r) = found[True], found[False]
+        assert torch.equal(out_s, out_r)
+        assert_grads_match(g_s, g_r, tol=1e-5)
+
+
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 64)])
 @pytest.mark.parametrize("distinct", [2, 15, 40])
 def test_segment_ids_are_compared_as_given(distinct, block_m, block_n, monkeypatch):

@@ -30,7 +30,7 @@ from bench import attention, cases, runner
 from bench.compiler import aot, sass
 from bench.compiler.targets import REFERENCE_CONFIG, REFERENCE_ROLE, launchability, number
 
-ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute")
 # The reference's own tiles: what bench.attention's fa2_ref provider times on a GPU, so the model's
 # ratio to the reference can be compared with a GPU's.
 REFERENCE_TRITON_CONFIG = triton.Config({k: attention.FA2_REF_TILES[k] for k in ("BLOCK_M", "BLOCK_N")},
@@ -117,7 +117,27 @@ def op_calls(case: Case, device: str = "meta") -> list:
                              saved["lse"], dout_g=None if q_g is None else cases.random_like(q_g, seed=2),
                              deterministic=case.deterministic)
 
-    return [("forward", forward), ("backward", backward)]
+    def backward_recomputing_ds():  # as calls too large to keep dS (kernels.STORED_DS_BYTES) run it
+        with _stored_ds_bytes(0):
+            backward()
+
+    return [("forward", forward), ("backward", backward), ("backward recomputing dS", backward_recomputing_ds)]
+
+
+@contextlib.contextmanager
+def _stored_ds_bytes(limit: int):
+    """The launcher's limit on the dS it keeps for the dQ kernel set to ``limit``, its call plans
+    made afresh under it and after."""
+    from xlnet_fast import kernels
+
+    saved = kernels.STORED_DS_BYTES
+    kernels.STORED_DS_BYTES = limit
+    kernels.clear_launches()
+    try:
+        yield
+    finally:
+        kernels.STORED_DS_BYTES = saved
+        kernels.clear_launches()
 
 
 @contextlib.contextmanager

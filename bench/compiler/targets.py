@@ -20,7 +20,7 @@ from bench import attention
 # ratio to the reference is taken there, comparable with a GPU's).
 REFERENCE_CONFIG = "{BLOCK_M}x{BLOCK_N}w{num_warps}s{num_stages}".format(**attention.FA2_REF_TILES)
 # The FlashAttention-2 kernel an op kernel is compared with.
-REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv", "fixup": "dkdv"}
+REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv", "fixup": "dkdv", "dq_recompute": "dq"}
 # Roles held to launchability, spills and register cliffs only (no MMA kind, ratio or dropout
 # target): the dK/dV kernel's FIX_UP launch, whose programs return at once unless their key tile
 # holds segment codes past its one-hot's columns (a batch row with more than 15 segment ids).
@@ -32,7 +32,8 @@ CHECKS_ONLY = ("fixup",)
 
 # inst/score over the reference's at the same arch, D and config, at the best launchable spill-free
 # config, worst scenario (both streams, with and without dropout); (arch, D) -> role -> cap
-RATIO_CAPS = {(90, 64): {"fwd": 2.0, "dkdv": 3.0, "dq": 3.0}, (80, 64): {"fwd": 3.5, "dkdv": 3.5, "dq": 3.5}}
+RATIO_CAPS = {(90, 64): {"fwd": 2.0, "dkdv": 3.0, "dq": 3.0, "dq_recompute": 3.0},
+              (80, 64): {"fwd": 3.5, "dkdv": 3.5, "dq": 3.5, "dq_recompute": 3.5}}
 DROPOUT_OVERHEAD_CAP = 1.35  # inst/score with dropout over without, same kernel, config and stream
 REGISTER_CLIFF = 128  # a launchable binary below this many registers must not spill
 MIN_LAUNCHABLE = 2  # launchable configs per (arch, D <= 128, role), when every candidate is compiled
@@ -52,23 +53,23 @@ SHORTFALLS: dict = {
         # dropout target <= 1.35x: 32-row mma.sync tiles of 4 warps (warps side by side along the
         # keys: each Philox call's bytes cross warps, bench/NOTES.md change 8): the forward's 32x64
         # tiles (1.37-1.44x) and dQ's 32x32 ones (1.37-1.43x, its build without dropout gained more)
-        (80, 64, "dq"): {"dropout": 1.45},  # measured 6.8
+        (80, 64, "dq_recompute"): {"dropout": 1.45},  # measured 6.8
         (80, 64, "fwd"): {"dropout": 1.5},  # measured 3.7
-        (86, 64, "dq"): {"dropout": 1.45},
-        (89, 64, "dq"): {"dropout": 1.45},
-        (80, 128, "dq"): {"dropout": 1.45},
-        (86, 128, "dq"): {"dropout": 1.45},
-        (89, 128, "dq"): {"dropout": 1.45},
-        (120, 128, "dq"): {"dropout": 1.45},
+        (86, 64, "dq_recompute"): {"dropout": 1.45},
+        (89, 64, "dq_recompute"): {"dropout": 1.45},
+        (80, 128, "dq_recompute"): {"dropout": 1.45},
+        (86, 128, "dq_recompute"): {"dropout": 1.45},
+        (89, 128, "dq_recompute"): {"dropout": 1.45},
+        (120, 128, "dq_recompute"): {"dropout": 1.45},
         (80, 128, "fwd"): {"dropout": 1.45},
         (86, 128, "fwd"): {"dropout": 1.45},
         (89, 128, "fwd"): {"dropout": 1.45},
         # sm_90: 32-row tiles cannot use wgmma (64 rows a warpgroup); dQ's spill-free config is
         # 32x32w4s1 (mma.sync, 2.83x)
         (90, 64, "dkr"): {"mma": "mma.sync"},
-        (90, 64, "dq"): {"mma": "mma.sync", "dropout": 1.45},  # measured 17.81
+        (90, 64, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},  # measured 17.81
         (90, 128, "dkr"): {"mma": "mma.sync"},
-        (90, 128, "dq"): {"mma": "mma.sync", "dropout": 1.45},
+        (90, 128, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},
         # Two steps led to the entries below. First, the dropout seed read from device memory into
         # the Philox counter (graph-safe dropout, issue 33): sm_86/89's 64x64 forward 1.35 -> 1.36x,
         # sm_90 dK/dV's 64x64w4s2 16 B of spill with dropout (best spill-free: 32x64w4s1, 3.03x).
@@ -82,22 +83,29 @@ SHORTFALLS: dict = {
         # 32x32w2s2, mma.sync); sm_100 D=128's dQ tcgen05 builds spill more (best: 32x32w4s1, mma.sync)
         (86, 64, "fwd"): {"dropout": 1.45},
         (89, 64, "fwd"): {"dropout": 1.45},
-        (90, 64, "dkdv"): {"ratio": 3.4},  # measured 3.33
+        # Kernel v4 step 2, the dK/dV kernel storing dS for the dQ kernel (bench/NOTES.md): a few
+        # registers more again: sm_80 D=128's 32x32w4s1r255 dropout 1.34 -> 1.36x; sm_90's 32x64w4s1
+        # 3.33 -> 3.41x; sm_90 D=128's least-spilling dK/dV is now 32x64w4s1 (wgmma, 540 -> 556 B;
+        # 32x32w2s2, mma.sync, 428 -> 1,880 B). The dQ kernel reading dS is spill-free on wgmma at
+        # D=64; at D=128 on sm_90 only its 32x32w4s1 is (mma.sync: 64x64w4s2 spills 1,180 B)
+        (80, 128, "dkdv"): {"dropout": 1.4},
+        (90, 64, "dkdv"): {"ratio": 3.45},  # measured 3.41
         (90, 128, "fwd"): {"mma": "mma.sync", "dropout": 1.45},
-        (90, 128, "dkdv"): {"mma": "mma.sync"},
-        (100, 128, "dq"): {"mma": "mma.sync", "dropout": 1.45},
-        (120, 64, "dq"): {"dropout": 1.45},
+        (90, 128, "dkdv"): {"spill": 600},
+        (90, 128, "dq"): {"mma": "mma.sync"},
+        (100, 128, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},
+        (120, 64, "dq_recompute"): {"dropout": 1.45},
         (120, 128, "fwd"): {"dropout": 1.45},
     },
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
         # 32x32w4s1r255: 136 B with dropout (16 B before kernel v4's bank-spread windows), dropout
         # 1.41x; targets 0 B, 1.35x
-        (80, 64, "dq"): {"spill": 144, "dropout": 1.45},
+        (80, 64, "dq_recompute"): {"spill": 144, "dropout": 1.45},
         (80, 64, "fwd"): {"dropout": 1.55},  # 1.48x at 32x64; target 1.35x
         # 32x32w4s1 (mma.sync), 2.94x: 72 B of spill with dropout (56 B before kernel v4), where the
         # product carried through the key loop costs triton 3.9 registers (3.6: spill-free); targets
         # wgmma, 0 B
-        (90, 64, "dq"): {"mma": "mma.sync", "spill": 80},
+        (90, 64, "dq_recompute"): {"mma": "mma.sync", "spill": 80},
         # kernel v4: 32x64w4s1 48 -> 52 inst/score (3.24x), as with 3.6 above
         (90, 64, "dkdv"): {"ratio": 3.4},
     },
@@ -106,26 +114,32 @@ SHORTFALLS: dict = {
 
 # The time model's ratio to the reference (``predicted_ratio``: the fastest predicted config's time over
 # the FA2 reference's at its own tiles, both by MODEL), what the regression gate holds per triton
-# version: the level measured when the model was calibrated, 5% over. Issue 34's targets are GPU
+# version: the level measured when the model was calibrated, 5% over. ``dq_recompute``: the dQ
+# kernel recomputing dS (calls whose dS the backward does not keep, kernels.STORED_DS_BYTES), held
+# where the dQ kernel was before it could read a stored dS; so are its SHORTFALLS. Issue 34's targets are GPU
 # times (forward <= 2x, dQ <= 3x, dK/dV <= 2x the reference on sm_90): ``--calibrate`` predicts
 # those; the model's raw ratio over-predicts the measured ones by ~2x (the reference runs further
 # from its bound than ours), so these ceilings hold the kernels where they are, not at the targets.
 PREDICTED_CEILINGS: dict = {
-    "3.6": {  # the committed records (2026-11-27, kernel v4's bank-spread windows); measured (before):
+    "3.6": {  # the committed records (2026-11-27, kernel v4 step 2: dS stored); measured (before):
         (80, 64, "fwd"): 2.73,  # 2.6 (3.7)
-        (80, 64, "dkdv"): 1.88,  # 1.79 (2.14)
-        (80, 64, "dq"): 5.84,  # 5.56 (6.8)
+        (80, 64, "dkdv"): 1.97,  # 1.88 (1.79 before it stored dS)
+        (80, 64, "dq"): 2.81,  # 2.68 (5.56: the dQ kernel recomputing dS, below)
+        (80, 64, "dq_recompute"): 5.84,  # 5.56 (6.8)
         (90, 64, "fwd"): 6.02,  # 5.73 (8.15)
-        (90, 64, "dkdv"): 2.66,  # 2.53 (3.28)
-        (90, 64, "dq"): 13.31,  # 12.68 (17.81)
+        (90, 64, "dkdv"): 2.8,  # 2.67 (2.53)
+        (90, 64, "dq"): 5.63,  # 5.36 (12.68)
+        (90, 64, "dq_recompute"): 13.31,  # 12.68 (17.81)
     },
     "3.9": {  # CI's compile of sm_80 and sm_90 (2026-11-27); measured (before):
         (80, 64, "fwd"): 2.56,  # 2.44 (3.56)
-        (80, 64, "dkdv"): 1.88,  # 1.79 (2.16)
-        (80, 64, "dq"): 5.76,  # 5.49 (6.76)
+        (80, 64, "dkdv"): 1.98,  # 1.89 (1.79 before it stored dS)
+        (80, 64, "dq"): 2.75,  # 2.62 (5.49: the dQ kernel recomputing dS, below)
+        (80, 64, "dq_recompute"): 5.76,  # 5.49 (6.76)
         (90, 64, "fwd"): 5.58,  # 5.31 (8.04)
-        (90, 64, "dkdv"): 2.54,  # 2.42 (3.1)
-        (90, 64, "dq"): 12.79,  # 12.18 (16.93)
+        (90, 64, "dkdv"): 2.69,  # 2.56 (2.42 before it stored dS)
+        (90, 64, "dq"): 5.37,  # 5.11 (12.18)
+        (90, 64, "dq_recompute"): 12.79,  # 12.18 (16.93)
     },
 }
 
@@ -514,7 +528,10 @@ def measured_times(results_dir) -> list:
                 continue
             gpu = r["device"].replace("NVIDIA ", "").split()[0]
             batch = int(re.search(r"\bB=(\d+)", r["context"]).group(1))
-            rows += [{"gpu": gpu, "arch": archs[r["run"]], "role": TIMED_KERNELS[r["kernel"]], "kernel": "xlnet_fast",
+            # the dQ kernel timed before it could read a stored dS (FROM_DS) recomputed it
+            role = TIMED_KERNELS[r["kernel"]]
+            role = "dq_recompute" if role == "dq" and not key.get("FROM_DS") else role
+            rows += [{"gpu": gpu, "arch": archs[r["run"]], "role": role, "kernel": "xlnet_fast",
                       "config": config, "D": key["HEAD_DIM"], "qlen": key["M"], "ms": ms,
                       "scores": batch * kept["campaign_heads"] * key["M"] * key["N_KEYS"],
                       "source": f"{path.name}: {r['context']}"} for config, ms in r["timings_ms"].items()]
@@ -568,11 +585,11 @@ def calibration(records: list, references: list, times: list) -> dict:
                     orders[rule][0] += (a["ms"] < b["ms"]) == (a["predicted"][rule] < b["predicted"][rule])
     ratios = []
     for ref in (r for r in known if r["kernel"] == "fa2_ref"):
-        ours = [r for r in known if r["kernel"] == "xlnet_fast" and (r["gpu"], r["role"], r["qlen"]) ==
+        ours = [r for r in known if r["kernel"] == "xlnet_fast" and (r["gpu"], REFERENCE_ROLE[r["role"]], r["qlen"]) ==
                 (ref["gpu"], ref["role"], ref["qlen"])]
         if ours:
             fastest = min(ours, key=lambda r: r["ms"])
-            ratios.append({"gpu": ref["gpu"], "role": ref["role"], "config": fastest["config"], "ours": fastest,
+            ratios.append({"gpu": ref["gpu"], "role": fastest["role"], "config": fastest["config"], "ours": fastest,
                            "reference": ref, "measured": fastest["ms"] / ref["ms"],
                            "predicted": {rule: fastest["predicted"][rule] / ref["predicted"][rule] for rule in RULES}})
     scale = {}
@@ -594,10 +611,10 @@ def calibration_markdown(found: dict) -> str:
     head = ("| GPU | kernel | config | qlen | measured ms | inst/score | smem B/score | smem B-eq/score "
             "| spill B/score | warps/SM | " + " | ".join(f"{rule} ms" for rule in rules) + " |")
     lines = [head, "|" + "---|" * (10 + len(rules))]
-    order = {"fwd": 0, "dkdv": 1, "dq": 2}
+    order = {"fwd": 0, "dkdv": 1, "dq": 2, "dq_recompute": 3}
     for r in sorted(found["rows"], key=lambda r: (r["gpu"], order.get(r["role"], 9), r["kernel"] != "xlnet_fast",
                                                   r["qlen"], r["ms"])):
-        name = {"fwd": "forward", "dkdv": "dK/dV", "dq": "dQ"}.get(r["role"], r["role"])
+        name = {"fwd": "forward", "dkdv": "dK/dV", "dq": "dQ", "dq_recompute": "dQ recomputing dS"}.get(r["role"], r["role"])
         name += "" if r["kernel"] == "xlnet_fast" else " (FA2 ref)"
         b = r["binary"]
         if b is None:
