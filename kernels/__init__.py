@@ -34,8 +34,9 @@ INTERPRETED = interpreting()
 MAX_HEAD_DIM = 128
 # The backward keeps dS (B*H, M, K, the dot dtype) between the dK/dV and the dQ kernels when it takes
 # at most this many bytes: the dQ kernel then reads it instead of recomputing the scores. Larger
-# calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4 step 2). Rows of
-# DS start 16-element aligned.
+# calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4 step 2). Read when
+# a call shape's plan is made: after changing it, ``clear_launches()`` re-plans the shapes seen. Rows
+# of DS start 16-element aligned.
 STORED_DS_BYTES = 2**31
 DS_ROW_ALIGN = 16
 
