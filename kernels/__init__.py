@@ -33,7 +33,8 @@ INTERPRETED = interpreting()
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
 # The backward keeps dS (B*H, M, K, the dot dtype) between the dK/dV and the dQ kernels when it takes
-# at most this many bytes: the dQ kernel then reads it instead of recomputing the scores. Larger
+# at most this many bytes: the dQ kernel (and the deterministic dk_r kernel) then read it instead of
+# recomputing the scores. Larger
 # calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4 step 2). Read when
 # a call shape's plan is made: after changing it, ``clear_launches()`` re-plans the shapes seen. Rows
 # of DS start 16-element aligned.
@@ -336,7 +337,7 @@ def _static_args(shape: _Shape) -> dict:
         dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
                 ds_pitch=0, FROM_DS=False),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
-                 batch_per_kr=B // Br),
+                 batch_per_kr=B // Br, ds_pitch=0, FROM_DS=False),
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R, B=B,
                     M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, scale=shape.scale, n_convert=n_convert,
                     SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
@@ -353,13 +354,15 @@ def _static_args(shape: _Shape) -> dict:
                               **_strides("g", dout[4:]),
                               **_strides("h", dout_g[4:]), **_strides("o", out_strides))
         static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
-        # dS kept between the dK/dV and dQ kernels when small enough (the FIX_UP launch stores none);
-        # else the dQ kernel recomputes it, a role of its own (its own autotuning and records)
+        # dS kept for the dQ and dk_r kernels when small enough (the FIX_UP launch stores none); else
+        # they recompute it, each a role of its own (its own autotuning, configs and records)
         static["dq_recompute"] = dict(static["dq"])
+        static["dkr_recompute"] = dict(static["dkr"])
         ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
         if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= STORED_DS_BYTES:
             static["dkdv"].update(STORE_DS=True, ds_pitch=ds_pitch)
             static["dq"].update(FROM_DS=True, ds_pitch=ds_pitch)
+            static["dkr"].update(FROM_DS=True, ds_pitch=ds_pitch)
     _STATIC[shape] = static
     return static
 
@@ -534,7 +537,8 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     of the rest.
 
     ``deterministic`` (default: ``torch.are_deterministic_algorithms_enabled()``) computes dk_r in a
-    kernel that owns each tile of k_r rows instead of with fp32 atomics.
+    kernel that owns each tile of k_r rows (reading the kept dS, or recomputing it) instead of with
+    fp32 atomics.
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -589,8 +593,8 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                    dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
                         DS=ds, n_gp=n_kv_tiles), deterministic)
     if deterministic:
-        _run("dkr", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), static,
-             dict(attn, **grad_io, DKR=dkr_sums), deterministic)
+        _run("dkr" if ds_pitch else "dkr_recompute", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), static,
+             dict(attn, **grad_io, DKR=dkr_sums, DS=ds), deterministic)
     # the gradients of k_r, the biases and seg_embed, each in its parameter's dtype
     grads = dict(DKR=torch.empty((Br, R, H, D), dtype=k_r.dtype, device=device),
                  DRW=torch.empty((H, D), dtype=r_w_bias.dtype, device=device),

@@ -35,7 +35,9 @@ dS summed over the keys of another segment: dK/dV sums its dS tile per segment c
 cores, against a one-hot of its key tile's codes, in key tiles of 64 or more (the launcher ranks
 segment ids into dense codes; a batch row with more than 15 ids gets the rest from a second,
 mostly idle, launch: ``FIX_UP``).
-``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows.
+``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows. Where
+the launcher keeps dS (``STORED_DS_BYTES``), the dK/dV kernel stores it and the dQ and dk_r
+kernels read it instead of recomputing the scores.
 """
 
 from __future__ import annotations
@@ -848,15 +850,18 @@ def _bwd_q_kernel(
 
 @triton.jit
 def _bwd_kr_kernel(
-    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DKR,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DKR, DS,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
     stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, batch_per_kr,
+    ds_pitch,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
+    FROM_DS: tl.constexpr = False,
 ):
-    """Deterministic dk_r: one tile of BLOCK_N k_r rows owns its gradient and recomputes every
-    score tile that reads it (over the batch rows sharing this k_r, and all query tiles)."""
+    """Deterministic dk_r: one tile of BLOCK_N k_r rows owns its gradient and gets every dS tile
+    that reads it (over the batch rows sharing this k_r, and all query tiles): recomputed, or with
+    ``FROM_DS`` read from DS (B*H, M, ds_pitch), where the dK/dV kernel stored them (``STORE_DS``)."""
     pid_c = tl.program_id(0)
     pid_brh = tl.program_id(1)
     br = (pid_brh // H).to(tl.int64)
@@ -877,24 +882,29 @@ def _bwd_kr_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             query = _query_tile(
                 QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-            do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
+            if not FROM_DS:
+                do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
             p_hi = tl.max(tl.where(query.row_ok, query.pos, -1), axis=0)
             p_lo = tl.min(tl.where(query.row_ok, query.pos, qlen), axis=0)
             # keys j whose k_r row qlen + j - p_i falls in [c0, c0 + BLOCK_N)
             j_lo = tl.maximum(c0 - qlen + p_lo, 0)
             j_hi = tl.minimum(c0 + BLOCK_N - qlen + p_hi, N_KEYS)
             for n0 in range((j_lo // BLOCK_N) * BLOCK_N, j_hi, BLOCK_N):
-                k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N,
-                               HEAD_DIM).to(DOT_DTYPE)
-                v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
-                               HEAD_DIM)
-                bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
-                s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
-                s = _finish_scores(s, query, keys_base, MASK + b * stride_mb,
-                                   stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
-                                   DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
+                if FROM_DS:
+                    ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
+                    ds = tl.load(ds_ptrs, mask=ds_ok, other=0.0)
+                else:
+                    k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N,
+                                   HEAD_DIM).to(DOT_DTYPE)
+                    v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
+                                   HEAD_DIM)
+                    bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                    s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
+                    s = _finish_scores(s, query, keys_base, MASK + b * stride_mb,
+                                       stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
+                    _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
+                                       DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
                 # dS over this tile's k_r rows, gathered transposed: with tl.trans before the dot,
                 # triton laid the score tile's dots out alone, 4 warps along 32 rows doing every
                 # MMA twice (sm_80 32x32w4s1: 72.4 -> 54.8 inst/score)
@@ -955,10 +965,11 @@ CANDIDATES = {
 }
 for _family in CANDIDATES.values():  # the dK/dV kernel's FIX_UP launch (see _bwd_kv_kernel)
     _family["fixup"] = _family["dkdv"]
-    # the dQ kernel recomputing dS (calls whose dS is not kept: kernels.STORED_DS_BYTES)
+    # the dQ and dk_r kernels recomputing dS (calls whose dS is not kept: kernels.STORED_DS_BYTES)
     _family["dq_recompute"] = _family["dq"]
+    _family["dkr_recompute"] = _family["dkr"]
 CANDIDATES[120] = CANDIDATES[86]  # RTX 50: the same 99 KB of shared memory and mma.sync
-ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute", "dkr_recompute")
 # Shared memory one block may opt in to, by arch (bytes), and Blackwell's tensor-memory columns: a
 # launch above either raises OutOfResources (triton's own check at launch).
 SHARED_MEMORY_PER_BLOCK = {80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: 232_448, 100: 232_448,
@@ -1109,7 +1120,7 @@ def _tuned(fn, role: str, key: list, **options):
 
 
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel,
-           "fixup": _bwd_kv_kernel, "dq_recompute": _bwd_q_kernel}
+           "fixup": _bwd_kv_kernel, "dq_recompute": _bwd_q_kernel, "dkr_recompute": _bwd_kr_kernel}
 fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
 # tiles of another BLOCK_N write other entries of GP and PARTK: start each timing from zeros
 bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY + ["STORE_DS"], reset_to_zero=["GP", "PARTK"])

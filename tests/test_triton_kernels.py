@@ -98,34 +98,40 @@ def test_forward_backward_match_eager_and_reference(name, deterministic):
     assert rel(out, case64.to(device="cpu").call(reference_attention)) < 1e-5
 
 
-def dq_plans() -> set:
-    """Whether the dQ kernel read the dK/dV kernel's stored dS, per backward plan made since the last
-    ``clear_launches``."""
+def ds_plans(role: str) -> set:
+    """Whether kernel ``role`` ("dq" or "dkr") read the dK/dV kernel's stored dS, per backward plan
+    made since the last ``clear_launches``."""
     from xlnet_fast import kernels
 
-    return {plan["dq"]["FROM_DS"] for plan in kernels._STATIC.values() if "gops" in plan}
+    return {plan[role]["FROM_DS"] for plan in kernels._STATIC.values() if "gops" in plan}
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES) + ["dropout"])
-def test_dq_from_stored_ds_and_recomputed_both_match_eager(name, monkeypatch):
-    """The backward keeps dS between the dK/dV and dQ kernels when it takes at most
-    ``STORED_DS_BYTES`` (every call here), else the dQ kernel recomputes it: both ways against the
-    float64 eager path (with dropout: against each other, the mask being the kernels' own)."""
+def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, deterministic, monkeypatch):
+    """The backward keeps dS between the dK/dV kernel and the dQ kernel (and the deterministic dk_r
+    kernel) when it takes at most ``STORED_DS_BYTES`` (every call here), else they recompute it:
+    both ways against the float64 eager path (with dropout: against each other, the mask being the
+    kernels' own)."""
     from xlnet_fast import kernels
 
     case = make_case(**CASES["content_seg_mem" if name == "dropout" else name], dtype=torch.float32).to(device=DEVICE)
     dout = torch.randn(case.q.shape, device=DEVICE)
     found = {}
-    for stored, limit in ((True, kernels.STORED_DS_BYTES), (False, 0)):
-        monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for stored, limit in ((True, kernels.STORED_DS_BYTES), (False, 0)):
+            monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
+            kernels.clear_launches()
+            if name == "dropout":
+                torch.manual_seed(5)  # the op's dropout seed: its first draw
+                found[stored] = grads(functools.partial(triton_attention, dropout_p=0.2), case, dout)
+            else:
+                assert_matches_eager(case, dout)
+            assert ds_plans("dq") == ds_plans("dkr") == {stored}
+    finally:
+        torch.use_deterministic_algorithms(False)
         kernels.clear_launches()
-        if name == "dropout":
-            torch.manual_seed(5)  # the op's dropout seed: its first draw
-            found[stored] = grads(functools.partial(triton_attention, dropout_p=0.2), case, dout)
-        else:
-            assert_matches_eager(case, dout)
-        assert dq_plans() == {stored}
-    kernels.clear_launches()
     if name == "dropout":
         (out_s, g_s), (out_r, g_r) = found[True], found[False]
         assert torch.equal(out_s, out_r)

@@ -30,7 +30,7 @@ from bench import attention, cases, runner
 from bench.compiler import aot, sass
 from bench.compiler.targets import REFERENCE_CONFIG, REFERENCE_ROLE, launchability, number
 
-ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute")
+ROLES = ("fwd", "dkdv", "dq", "dkr", "fixup", "dq_recompute", "dkr_recompute")
 # The reference's own tiles: what bench.attention's fa2_ref provider times on a GPU, so the model's
 # ratio to the reference can be compared with a GPU's.
 REFERENCE_TRITON_CONFIG = triton.Config({k: attention.FA2_REF_TILES[k] for k in ("BLOCK_M", "BLOCK_N")},

@@ -20,7 +20,8 @@ from bench import attention
 # ratio to the reference is taken there, comparable with a GPU's).
 REFERENCE_CONFIG = "{BLOCK_M}x{BLOCK_N}w{num_warps}s{num_stages}".format(**attention.FA2_REF_TILES)
 # The FlashAttention-2 kernel an op kernel is compared with.
-REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv", "fixup": "dkdv", "dq_recompute": "dq"}
+REFERENCE_ROLE = {"fwd": "fwd", "dkdv": "dkdv", "dq": "dq", "dkr": "dkdv", "fixup": "dkdv", "dq_recompute": "dq",
+                  "dkr_recompute": "dkdv"}
 # Roles held to launchability, spills and register cliffs only (no MMA kind, ratio or dropout
 # target): the dK/dV kernel's FIX_UP launch, whose programs return at once unless their key tile
 # holds segment codes past its one-hot's columns (a batch row with more than 15 segment ids).
@@ -66,9 +67,9 @@ SHORTFALLS: dict = {
         (89, 128, "fwd"): {"dropout": 1.45},
         # sm_90: 32-row tiles cannot use wgmma (64 rows a warpgroup); dQ's spill-free config is
         # 32x32w4s1 (mma.sync, 2.83x)
-        (90, 64, "dkr"): {"mma": "mma.sync"},
+        (90, 64, "dkr_recompute"): {"mma": "mma.sync"},
         (90, 64, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},  # measured 17.81
-        (90, 128, "dkr"): {"mma": "mma.sync"},
+        (90, 128, "dkr_recompute"): {"mma": "mma.sync"},
         (90, 128, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},
         # Two steps led to the entries below. First, the dropout seed read from device memory into
         # the Philox counter (graph-safe dropout, issue 33): sm_86/89's 64x64 forward 1.35 -> 1.36x,
