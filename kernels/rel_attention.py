@@ -139,7 +139,11 @@ def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
 # row; a warp, 8 rows) all fall in the same banks: 4-way conflicts for fp32, 8-way for 16-bit. The
 # windows are flattened instead as (row // 4, column // 8, row % 4, column % 8): four rows' groups
 # of 8 columns side by side. fp32 stores are then conflict-free (16 lanes write 4 rows x 32 B), 16-bit
-# stores and the skewed reads conflict at most 2-way (bench/NOTES.md, kernel v4).
+# stores and the skewed reads conflict at most 2-way (bench/NOTES.md, kernel v4). That is for windows
+# of MMA results. A tile loaded from memory (the stored dS) comes in a layout where a thread holds 8
+# consecutive columns of a row and 8 threads a row's 64: row-major, its 16-byte stores and the dQ
+# kernel's gather (along a row's columns) are conflict-free; in the order above both went 4-way
+# (bench/NOTES.md, kernel v4 step 3).
 WINDOW_ROWS = tl.constexpr(4)
 WINDOW_COLS = tl.constexpr(8)
 WINDOW_SHIFT = tl.constexpr(3)  # log2(WINDOW_COLS)
@@ -476,25 +480,34 @@ def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m_start, n0, keep_threshold,
 
 
 @triton.jit
-def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 ROW_MAJOR: tl.constexpr = False):
     """Inverse of the banded skew for the lower half of a key tile's k_r window: ``out[i, c]`` is
     the dS of the key whose k_r row is window row c: ``ds[i, c - lag_i]`` when ``c >= lag_i``, else
     the previous key tile's ``ds_prev[i, BLOCK_N + c - lag_i]`` (its window's upper half is this
     one's lower half). With ``[ds_prev | ds]`` side by side that is flat column
-    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather."""
+    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather: in ``_flatten_window``'s order, or
+    row-major with ``ROW_MAJOR`` (tiles loaded from memory, see WINDOW_ROWS)."""
     window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
-    window = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
+    if ROW_MAJOR:
+        window = tl.reshape(window, [BLOCK_M * 2 * BLOCK_N])
+    else:
+        window = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
     return tl.reshape(tl.gather(window, unskew_idx, axis=0), [BLOCK_M, BLOCK_N])
 
 
 @triton.jit
 def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 N_OUT: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+                 N_OUT: tl.constexpr, TRANSPOSED: tl.constexpr = False, ROW_MAJOR: tl.constexpr = False):
     """dS (BLOCK_M, BLOCK_N) over keys -> (BLOCK_M, N_OUT) over k_r rows c0 .. c0 + N_OUT:
     ``out[i, c] = dS[i, j]`` for the j with ``qlen + j - p_i = c0 + c`` (0 if none in this tile);
     ``TRANSPOSED``: (N_OUT, BLOCK_M), gathered in that order (a ``tl.trans`` before the next dot
-    would end triton's chain of dots there, see ``_bwd_kr_kernel``)."""
-    flat = _flatten_window(ds, BLOCK_M, BLOCK_N)
+    would end triton's chain of dots there, see ``_bwd_kr_kernel``). ``ROW_MAJOR``: ``ds`` flattened
+    row-major rather than in ``_flatten_window``'s order (tiles loaded from memory, see WINDOW_ROWS)."""
+    if ROW_MAJOR:
+        flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
+    else:
+        flat = _flatten_window(ds, BLOCK_M, BLOCK_N)
     lag = c0 - qlen - n0 + pos  # dS column of output column 0, per row (may be negative)
     if TRANSPOSED:  # output rows are k_r rows, its columns the tile's query rows
         out_col, row = tl.arange(0, N_OUT)[:, None], tl.arange(0, BLOCK_M)[None, :]
@@ -506,7 +519,10 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
         shape: tl.constexpr = [BLOCK_M, N_OUT]
     jj = out_col + lag
     inside = (jj >= 0) & (jj < BLOCK_N) & row_ok
-    index = tl.where(inside, _skewed_index(row, out_col, lag, BLOCK_N), 0)
+    if ROW_MAJOR:
+        index = tl.where(inside, row * BLOCK_N + out_col + lag, 0)
+    else:
+        index = tl.where(inside, _skewed_index(row, out_col, lag, BLOCK_N), 0)
     got = tl.gather(flat, tl.reshape(index, [BLOCK_M * N_OUT]), axis=0)
     return tl.where(inside, tl.reshape(got, shape), 0.0)
 
@@ -763,8 +779,12 @@ def _bwd_q_kernel(
         if CARRY_PRODUCT:
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
-        unskew_idx = tl.reshape(_skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
-                                              BLOCK_N - lag[:, None], 2 * BLOCK_N), [BLOCK_M * BLOCK_N])
+        if FROM_DS:
+            unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
+                                    + (BLOCK_N - lag[:, None]), [BLOCK_M * BLOCK_N])
+        else:
+            unskew_idx = tl.reshape(_skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
+                                                  BLOCK_N - lag[:, None], 2 * BLOCK_N), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
@@ -787,7 +807,7 @@ def _bwd_q_kernel(
                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
                 ds_cur = ds.to(DOT_DTYPE)
             dq = tl.dot(ds_cur, k, dq, input_precision=INPUT_PRECISION)
-            dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N)
+            dsc = _unskew_join(ds_prev, ds_cur, unskew_idx, BLOCK_M, BLOCK_N, FROM_DS)
             dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
             if DKR_ATOMIC:
                 _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, dsc, query.q_r, offs_d,
@@ -801,7 +821,7 @@ def _bwd_q_kernel(
         if RELOAD_KR:
             kr_lo = _load_rows(kr_base, stride_rr, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R, offs_d,
                                BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
-        dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N)
+        dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N, FROM_DS)
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
             _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi,
@@ -826,7 +846,8 @@ def _bwd_q_kernel(
             c_end = tl.minimum(qlen + n0 + BLOCK_N - p_lo, R)
             for c0 in range(c_first, c_end, 2 * BLOCK_N):
                 kr = _load_rows(kr_base, stride_rr, c0, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
-                dsc = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N)
+                dsc = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, 2 * BLOCK_N,
+                                   ROW_MAJOR=FROM_DS)
                 dq = tl.dot(dsc.to(DOT_DTYPE), kr.to(DOT_DTYPE), dq, input_precision=INPUT_PRECISION)
                 if DKR_ATOMIC:
                     _dkr_atomic(dkr_base, dkr_stride_row, c0, dsc, query.q_r, offs_d, 2 * BLOCK_N, HEAD_DIM,
@@ -909,7 +930,7 @@ def _bwd_kr_kernel(
                 # triton laid the score tile's dots out alone, 4 warps along 32 rows doing every
                 # MMA twice (sm_80 32x32w4s1: 72.4 -> 54.8 inst/score)
                 dsc_t = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N,
-                                     TRANSPOSED=True)
+                                     TRANSPOSED=True, ROW_MAJOR=FROM_DS)
                 acc = tl.dot(dsc_t.to(DOT_DTYPE), query.q_r, acc, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
     tl.store(DKR + br * stride_dkrb + h * HEAD_DIM + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
