@@ -185,6 +185,25 @@ def _skewed_index(row, col, lag, COLS: tl.constexpr):
 
 
 @triton.jit
+def _flatten(window, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr):
+    """A (ROWS, COLS) window as a gather's 1-D source: row-major (tiles loaded from memory), else
+    in ``_flatten_window``'s order (MMA results)."""
+    if ROW_MAJOR:
+        return tl.reshape(window, [ROWS * COLS])
+    else:
+        return _flatten_window(window, ROWS, COLS)
+
+
+@triton.jit
+def _flat_index(row, col, lag, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr):
+    """Index of element (row, col + lag) of a window of COLS columns in ``_flatten``'s order."""
+    if ROW_MAJOR:
+        return row * COLS + col + lag
+    else:
+        return _skewed_index(row, col, lag, COLS)
+
+
+@triton.jit
 def _padded_keys(N_KEYS):
     """The KEYS table's row length: N_KEYS rounded up to KEY_PAD."""
     return tl.cdiv(N_KEYS, KEY_PAD) * KEY_PAD
@@ -486,13 +505,9 @@ def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     the dS of the key whose k_r row is window row c: ``ds[i, c - lag_i]`` when ``c >= lag_i``, else
     the previous key tile's ``ds_prev[i, BLOCK_N + c - lag_i]`` (its window's upper half is this
     one's lower half). With ``[ds_prev | ds]`` side by side that is flat column
-    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather: in ``_flatten_window``'s order, or
-    row-major with ``ROW_MAJOR`` (tiles loaded from memory, see WINDOW_ROWS)."""
+    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather, in ``_flatten``'s order."""
     window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
-    if ROW_MAJOR:
-        window = tl.reshape(window, [BLOCK_M * 2 * BLOCK_N])
-    else:
-        window = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
+    window = _flatten(window, BLOCK_M, 2 * BLOCK_N, ROW_MAJOR)
     return tl.reshape(tl.gather(window, unskew_idx, axis=0), [BLOCK_M, BLOCK_N])
 
 
@@ -502,12 +517,8 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
     """dS (BLOCK_M, BLOCK_N) over keys -> (BLOCK_M, N_OUT) over k_r rows c0 .. c0 + N_OUT:
     ``out[i, c] = dS[i, j]`` for the j with ``qlen + j - p_i = c0 + c`` (0 if none in this tile);
     ``TRANSPOSED``: (N_OUT, BLOCK_M), gathered in that order (a ``tl.trans`` before the next dot
-    would end triton's chain of dots there, see ``_bwd_kr_kernel``). ``ROW_MAJOR``: ``ds`` flattened
-    row-major rather than in ``_flatten_window``'s order (tiles loaded from memory, see WINDOW_ROWS)."""
-    if ROW_MAJOR:
-        flat = tl.reshape(ds, [BLOCK_M * BLOCK_N])
-    else:
-        flat = _flatten_window(ds, BLOCK_M, BLOCK_N)
+    would end triton's chain of dots there, see ``_bwd_kr_kernel``). ``ROW_MAJOR``: see ``_flatten``."""
+    flat = _flatten(ds, BLOCK_M, BLOCK_N, ROW_MAJOR)
     lag = c0 - qlen - n0 + pos  # dS column of output column 0, per row (may be negative)
     if TRANSPOSED:  # output rows are k_r rows, its columns the tile's query rows
         out_col, row = tl.arange(0, N_OUT)[:, None], tl.arange(0, BLOCK_M)[None, :]
@@ -519,10 +530,7 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
         shape: tl.constexpr = [BLOCK_M, N_OUT]
     jj = out_col + lag
     inside = (jj >= 0) & (jj < BLOCK_N) & row_ok
-    if ROW_MAJOR:
-        index = tl.where(inside, row * BLOCK_N + out_col + lag, 0)
-    else:
-        index = tl.where(inside, _skewed_index(row, out_col, lag, BLOCK_N), 0)
+    index = tl.where(inside, _flat_index(row, out_col, lag, BLOCK_N, ROW_MAJOR), 0)
     got = tl.gather(flat, tl.reshape(index, [BLOCK_M * N_OUT]), axis=0)
     return tl.where(inside, tl.reshape(got, shape), 0.0)
 
@@ -779,12 +787,9 @@ def _bwd_q_kernel(
         if CARRY_PRODUCT:
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
-        if FROM_DS:
-            unskew_idx = tl.reshape(tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
-                                    + (BLOCK_N - lag[:, None]), [BLOCK_M * BLOCK_N])
-        else:
-            unskew_idx = tl.reshape(_skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
-                                                  BLOCK_N - lag[:, None], 2 * BLOCK_N), [BLOCK_M * BLOCK_N])
+        # a loaded dS tile flattens row-major, a recomputed one (an MMA result) bank-spread
+        unskew_idx = tl.reshape(_flat_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
+                                            BLOCK_N - lag[:, None], 2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
             kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
