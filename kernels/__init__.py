@@ -32,12 +32,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRETED = interpreting()
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
-# The backward keeps dS (B*H, M, K, the dot dtype) between the dK/dV and the dQ kernels when it takes
-# at most this many bytes: the dQ kernel (and the deterministic dk_r kernel) then read it instead of
-# recomputing the scores. Larger
-# calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4 step 2). Read when
-# a call shape's plan is made: after changing it, ``clear_launches()`` re-plans the shapes seen. Rows
-# of DS start 16-element aligned.
+# The backward keeps dS (B*H, M, K, the dot dtype) from the dK/dV kernel when it takes at most this
+# many bytes: the dQ kernel (and the deterministic dk_r kernel) then read it instead of recomputing
+# the scores. Larger calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4
+# steps 2 and 3). Read when a call shape's plan is made: after changing it, ``clear_launches()``
+# re-plans the shapes seen. Rows of DS start 16-element aligned.
 STORED_DS_BYTES = 2**31
 DS_ROW_ALIGN = 16
 
@@ -571,7 +570,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     g_parts = (torch.empty((B * H, sz["n_n_tiles"], M), dtype=torch.float32, device=device) if segments
                else grad_io["DELTA"])
     attn = _attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a)
-    # dS, kept for the dQ kernel when the plan says so (else a placeholder the kernels never read)
+    # dS, kept for the dQ and dk_r kernels when the plan says so (else a placeholder never read)
     ds_pitch = static["dq"]["ds_pitch"]
     ds = (torch.empty((B * H, M, ds_pitch), dtype=q_ops["QW"].dtype, device=device) if ds_pitch
           else grad_io["DELTA"])

@@ -126,8 +126,8 @@ def op_calls(case: Case, device: str = "meta") -> list:
 
 @contextlib.contextmanager
 def _stored_ds_bytes(limit: int):
-    """The launcher's limit on the dS it keeps for the dQ kernel set to ``limit``, its call plans
-    made afresh under it and after."""
+    """The launcher's limit on the dS it keeps for the dQ and dk_r kernels set to ``limit``, its
+    call plans made afresh under it and after."""
     from xlnet_fast import kernels
 
     saved = kernels.STORED_DS_BYTES
