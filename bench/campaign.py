@@ -161,8 +161,10 @@ class Plan:
     sweep_H: int = 16
     sweep_tokens: int = 16384  # B = max(1, sweep_tokens // qlen)
     sweep_dtype: str = "bf16"
-    # the H100's two anomalies (issue 34, item 4), as it measured them: (B, H, qlen, mlen, D), timed
-    # (ours, SDPA-flash, eager) and ours profiled after the sweep's points of the same D
+    # shapes off the sweep's grid, (B, H, qlen, mlen, D), timed (ours, SDPA-flash, eager) and ours
+    # profiled right after the first point of the same D: issue 33's op target (fwd+bwd at 8x12,
+    # 512/384 within 4x SDPA-flash), then the H100's two anomalies (issue 34, item 4) as it measured them
+    op_target_shapes: tuple = ((8, 12, 512, 384, 64),)
     anomaly_shapes: tuple = ((2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128))
     providers: tuple = GPU_PROVIDERS
     models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),
@@ -186,11 +188,11 @@ class Plan:
     ncu_runs: tuple = (("pinned_64x64w4s1", ("64x64w4s1",), ("xlnet_fast", "fa2_ref")),
                        ("autotuned", None, ("xlnet_fast",)))
 
-    def anomaly_cases(self, D: int) -> list:
-        """``anomaly_shapes`` of head dim ``D`` as cases of the sweep's dtype."""
+    def extra_cases(self, D: int) -> list:
+        """``op_target_shapes`` then ``anomaly_shapes`` of head dim ``D`` as cases of the sweep's dtype."""
         dtype = cases.DTYPES[self.sweep_dtype]
         return [cases.AttentionCase(B, H, qlen, mlen, d, dtype)
-                for B, H, qlen, mlen, d in self.anomaly_shapes if d == D]
+                for B, H, qlen, mlen, d in self.op_target_shapes + self.anomaly_shapes if d == D]
 
     def sweep_cases(self) -> list:
         """The sweep's cases, D slowest (D=64 first: XLNet's), then the points in order."""
@@ -209,7 +211,7 @@ PLANS = {
         pytest_targets=(GPU_TESTS[0], GPU_TESTS[2]),
         pytest_k="forward_backward_match_eager_and_reference or convergence_bf16",
         checks=((*_QUICK_CHECK, gpu_check.CHECKED_DTYPES, False),), config_check=_QUICK_CHECK,
-        sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096, anomaly_shapes=(),
+        sweep_D=(64,), sweep_points=((512, 384),), sweep_tokens=4096, op_target_shapes=(), anomaly_shapes=(),
         models=(("base_2_layers", cases.ModelCase("base", B=2, seq=512, mlen=384, predict=85, n_layer=2)),),
         model_repeats=3, infer_B=4, memory_lengths=(512, 3800), generation_lengths=(2048,), generation_new_tokens=32),
     "dry": Plan(
@@ -497,7 +499,8 @@ def step_correctness(r: Reporter, plan: Plan) -> None:
 def sweep_items(plan: Plan) -> list:
     """``(kind, case, mode, provider)`` in order: per D, an agreement check at its first point, the
     measurements at that point, where the GPU time goes there (``PROFILED``, forward+backward), the
-    other points' measurements, and a repeat of the first ``xlnet_fast`` forward+backward (the spread)."""
+    shapes off the grid (``extra_cases``), the other points, and a repeat of the first ``xlnet_fast``
+    forward+backward (the spread)."""
     items = []
     for D in plan.sweep_D:
         d_cases = [c for c in plan.sweep_cases() if c.D == D]
@@ -505,14 +508,15 @@ def sweep_items(plan: Plan) -> list:
                  for c in d_cases]
         items.append(("agree", d_cases[0], "fwd", None))
         items += timed[0] + [("profile", d_cases[0], "fwd_bwd", p) for p in PROFILED if p in plan.providers]
+        ours_profiled = [("profile", "xlnet_fast")] if "xlnet_fast" in plan.providers else []
+        for case in plan.extra_cases(D):
+            items += [("time", case, m, p) for m in SWEEP_MODES for p in ANOMALY_PROVIDERS
+                      if attention.runs_in_mode(p, m)]
+            items += [(kind, case, "fwd_bwd", p) for kind, p in ours_profiled]
         # ours at every later point too: where its time goes as the length grows (issue 34's
         # anomalies: a long sequence slower than more work at 512, D=128 slower than eager)
         for case, more in zip(d_cases[1:], timed[1:]):
-            items += more + ([("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else [])
-        for case in plan.anomaly_cases(D):
-            items += [("time", case, m, p) for m in SWEEP_MODES for p in ANOMALY_PROVIDERS
-                      if attention.runs_in_mode(p, m)]
-            items += [("profile", case, "fwd_bwd", "xlnet_fast")] if "xlnet_fast" in plan.providers else []
+            items += more + [(kind, case, "fwd_bwd", p) for kind, p in ours_profiled]
         if "xlnet_fast" in plan.providers:
             items.append(("repeat", d_cases[0], "fwd_bwd", "xlnet_fast"))
     return items

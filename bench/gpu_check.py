@@ -30,9 +30,11 @@ CHECKED_DTYPES = (torch.bfloat16, torch.float16)
 _REALISTIC = cases.AttentionCase(B=8, H=16, qlen=512, mlen=384, D=64, dtype=torch.float64)
 _TWO_STREAM = dataclasses.replace(_REALISTIC, targets=85, two_stream=True)
 _LONG = dataclasses.replace(_REALISTIC, B=1, qlen=4096)
+# (the deterministic backward before fp16's two streams: a time box cuts the last first)
 CASES = [("content_mem384_rank_seg", _REALISTIC, CHECKED_DTYPES, False),
-         ("two_stream_85_targets", _TWO_STREAM, CHECKED_DTYPES, False),
+         ("two_stream_85_targets", _TWO_STREAM, (torch.bfloat16,), False),
          ("two_stream_85_targets", _TWO_STREAM, (torch.bfloat16,), True),
+         ("two_stream_85_targets", _TWO_STREAM, (torch.float16,), False),
          ("content_D128", dataclasses.replace(_REALISTIC, H=8, D=128), (torch.bfloat16,), False)]
 LONG_CASES = [("content_qlen4096", _LONG, CHECKED_DTYPES, False),
               ("two_stream_qlen4096_683_targets", dataclasses.replace(_LONG, targets=683, two_stream=True),

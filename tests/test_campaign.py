@@ -490,21 +490,25 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     first, second = full.sweep_cases()[:2]
     profiled = [i for i, item in enumerate(items) if item[0] == "profile"]
     assert [items[i][3] for i in profiled[:3]] == list(campaign.PROFILED)
-    assert items[profiled[0] - 1][1] == first and items[profiled[2] + 1][1] == second
-    # then ours right after every later point's timings (the long sequences, D=128): where its time goes
+    extra = full.extra_cases(64)
+    assert items[profiled[0] - 1][1] == first and items[profiled[2] + 1][1] == extra[0]
+    # then the shapes off the grid, then ours right after every later point's timings (the long
+    # sequences, D=128): where its time goes
     expected = []
     for D in full.sweep_D:
         d_cases = [c for c in full.sweep_cases() if c.D == D]
-        expected += [(d_cases[0], p) for p in campaign.PROFILED] + [(c, "xlnet_fast") for c in d_cases[1:]]
-        expected += [(c, "xlnet_fast") for c in full.anomaly_cases(D)]
+        expected += [(d_cases[0], p) for p in campaign.PROFILED] + [(c, "xlnet_fast") for c in full.extra_cases(D)]
+        expected += [(c, "xlnet_fast") for c in d_cases[1:]]
     assert [(items[i][1], items[i][3]) for i in profiled] == expected
-    # the H100's two anomalies (issue 34 item 4), timed against SDPA-flash and eager as it measured them
-    anomalies = [(c.B, c.H, c.qlen, c.mlen, c.D) for D in full.sweep_D for c in full.anomaly_cases(D)]
-    assert anomalies == [(2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128)]
-    for case in (c for D in full.sweep_D for c in full.anomaly_cases(D)):
+    assert second in [items[i][1] for i in profiled]
+    # issue 33's op target, then the H100's two anomalies (issue 34 item 4), timed against SDPA-flash
+    # and eager as it measured them
+    extras = [(c.B, c.H, c.qlen, c.mlen, c.D) for D in full.sweep_D for c in full.extra_cases(D)]
+    assert extras == [(8, 12, 512, 384, 64), (2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128)]
+    for case in (c for D in full.sweep_D for c in full.extra_cases(D)):
         assert {(m, p) for kind, c, m, p in items if kind == "time" and c == case} == {
             (m, p) for m in campaign.SWEEP_MODES for p in campaign.ANOMALY_PROVIDERS}
-    assert campaign.PLANS["quick"].anomaly_shapes == ()
+    assert campaign.PLANS["quick"].extra_cases(64) == []
     assert all(items[i - 1][0] in ("time", "profile") and items[i - 1][1] == items[i][1] for i in profiled)
     checked = {(c.qlen, c.mlen, c.two_stream, dtype) for _, c, dtypes, _ in full.checks for dtype in dtypes}
     for qlen in (512, 4096):
