@@ -555,7 +555,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     grad_io = dict(DO=torch.empty((B, H, M, D), dtype=q_ops["QW"].dtype, device=device),
                    LSE2=torch.empty((B, H, M), dtype=torch.float32, device=device),
                    DELTA=torch.empty((B, H, M), dtype=torch.float32, device=device))
-    seg_delta = torch.empty((H, D), dtype=torch.float32, device=device) if segments else grad_io["DELTA"]
+    # what a plan never reads or writes (segments off, dS not kept) gets a word of its own: a
+    # placeholder that aliased a tensor in use would be cleared by an autotuner's reset_to_zero (the
+    # dK/dV kernel's GP was DELTA once: the first call at each tuning key had delta = 0)
+    unused = torch.empty(1, dtype=torch.float32, device=device)
+    seg_delta = torch.empty((H, D), dtype=torch.float32, device=device) if segments else unused
     dkr_sums = _dkr_buffer(Br, R, a.qlen, K, H, D, device)
     _run("gops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static,
          dict(DOUT=dout, DOUT_G=dout_g if dout_g is not None else dout, OUT=out, LSE=lse, ROWS=rows, E=q_ops["E"],
@@ -567,13 +571,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     # first cdiv(M or K, their tile) rows, which are the ones read (none needs zeroing)
     part = torch.empty((B * H, sz["n_m_tiles"], static["fwd"]["BLOCK_D"]), dtype=torch.float32, device=device)
     part_k = torch.empty((B * H, sz["n_n_tiles"], static["fwd"]["BLOCK_D"]), dtype=torch.float32, device=device)
-    g_parts = (torch.empty((B * H, sz["n_n_tiles"], M), dtype=torch.float32, device=device) if segments
-               else grad_io["DELTA"])
+    g_parts = torch.empty((B * H, sz["n_n_tiles"], M), dtype=torch.float32, device=device) if segments else unused
     attn = _attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a)
     # dS, kept for the dQ and dk_r kernels when the plan says so (else a placeholder never read)
     ds_pitch = static["dq"]["ds_pitch"]
-    ds = (torch.empty((B * H, M, ds_pitch), dtype=q_ops["QW"].dtype, device=device) if ds_pitch
-          else grad_io["DELTA"])
+    ds = torch.empty((B * H, M, ds_pitch), dtype=q_ops["QW"].dtype, device=device) if ds_pitch else unused
     kv_tensors = dict(attn, **grad_io, DK=dk, DV=dv, GP=g_parts, PARTK=part_k, DS=ds)
     kv_grid = lambda meta: (triton.cdiv(K, meta["BLOCK_N"]), B * H)  # noqa: E731
     kv_tiles = _run("dkdv", kv_grid, static, kv_tensors, deterministic)

@@ -138,6 +138,31 @@ def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, determ
         assert_grads_match(g_s, g_r, tol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["no_seg_no_mem", "content_seg_mem", "head_dim_96_uni"])
+def test_gradients_survive_the_autotuners_reset_to_zero(name, monkeypatch):
+    """Triton's autotuner zeroes a kernel's ``reset_to_zero`` arguments before each timing and before
+    the launch it keeps; the interpreter does not tune, so here each tuned launch gets them zeroed
+    first. Regression (H100, 2026-11-27): without segments the dK/dV kernel's GP was a placeholder
+    aliasing DELTA, so every first call at a new tuning key took its gradients with delta = 0."""
+    from xlnet_fast import kernels
+
+    launch = kernels._run
+
+    def launch_after_reset(role, grid, plan, tensors, deterministic, config=None):
+        if role in kernels._TUNED and not deterministic:
+            for arg in getattr(kernels._k, kernels._TUNED[role]).reset_to_zero:
+                tensors[arg].zero_()
+        return launch(role, grid, plan, tensors, deterministic, config)
+
+    monkeypatch.setattr(kernels, "_run", launch_after_reset)
+    kernels.clear_launches()  # no launch bound by an earlier test: each goes through _run's tuned path
+    try:
+        case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+        assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    finally:
+        kernels.clear_launches()
+
+
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 64), (64, 64)])
 @pytest.mark.parametrize("distinct", [2, 15, 40])
 def test_segment_ids_are_compared_as_given(distinct, block_m, block_n, monkeypatch):
