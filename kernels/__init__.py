@@ -337,10 +337,12 @@ def _static_args(shape: _Shape) -> dict:
                 ds_pitch=0, FROM_DS=False),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
                  batch_per_kr=B // Br, ds_pitch=0, FROM_DS=False),
-        finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R, B=B,
-                    M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, scale=shape.scale, n_convert=n_convert,
+        finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R,
+                    M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, n_convert=n_convert,
                     SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
                     ROWS_STEP=_operands.FINISH_STEP // block_d),
+        heads=dict(B=B, H=H, scale=shape.scale, SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d,
+                   B_STEP=_operands.HEADS_B_STEP),
     )
     static["dkdv"]["FIX_UP"] = False
     static["fixup"] = dict(static["dkdv"], FIX_UP=True)
@@ -378,7 +380,8 @@ def _strides(prefix: str, strides) -> dict:
 _TUNED = {"fwd": "fwd_kernel_tuned", "dkdv": "bwd_kv_kernel_tuned", "dq": "bwd_q_kernel_tuned",
           "dq_recompute": "bwd_q_kernel_tuned"}
 _FIXED_CONFIGS: dict = {}
-_PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "finish": "_grad_finish_kernel"}
+_PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "finish": "_grad_finish_kernel",
+          "heads": "_grad_heads_kernel"}
 
 
 def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config=None) -> dict:
@@ -602,12 +605,17 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                  DRR=torch.empty((H, D), dtype=r_r_bias.dtype, device=device),
                  DRS=torch.empty((H, D), dtype=(a.r_s_bias if segments else r_w_bias).dtype, device=device),
                  DSEG=torch.empty((2, H, D), dtype=(a.seg_embed if segments else r_w_bias).dtype, device=device))
-    finish = static["finish"]
-    _run("finish", (finish["n_convert"] + H,), static,
-         dict(grads, DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
-              Q_G=a.q_g if a.q_g is not None else q, RS=a.r_s_bias if segments else r_w_bias, SEGD=seg_delta,
+    # per (batch row, head) sums, then per head their sum over batch rows (one program per head
+    # summing every batch row was the backward's fourth-slowest kernel: bench/NOTES.md)
+    sums = torch.empty((B * H, _operands.FINISH_PARTS.value, static["finish"]["BLOCK_D"]), dtype=torch.float32,
+                       device=device)
+    _run("finish", (static["finish"]["n_convert"] + B * H,), static,
+         dict(DKR=grads["DKR"], DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
+              Q_G=a.q_g if a.q_g is not None else q, SUMS=sums,
               n_m_used=_tile_count(static, dq_role, deterministic, q_tiles, "BLOCK_M", M, sz["n_m_tiles"]),
               n_n_used=n_kv_tiles), False)
+    _run("heads", (H,), static, dict({n: grads[n] for n in ("DRW", "DRR", "DRS", "DSEG")}, SUMS=sums, Q=q,
+                                     RS=a.r_s_bias if segments else r_w_bias, SEGD=seg_delta), False)
     return dq, dk, dv, grads["DKR"], grads["DRW"], grads["DRR"], grads["DRS"], grads["DSEG"]
 
 

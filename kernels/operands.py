@@ -4,8 +4,9 @@ The attention kernels (``rel_attention.py``) read the query side and, in the bac
 own row order (``ROWS``: sorted by position) and head-major layout, pre-biased and pre-scaled. The
 first two kernels here write those operands, one pass over q (or dO and O) each; in PyTorch the same
 took a dozen passes through fp32 intermediates (the first GPU run measured 0.8 ms of such work per
-forward at qlen 512, B=32: bench/NOTES.md). The third turns the backward's partial sums into the
-gradients of k_r, the biases and seg_embed in one launch (in PyTorch: some thirty small kernels).
+forward at qlen 512, B=32: bench/NOTES.md). The last two turn the backward's partial sums into the
+gradients of k_r, the biases and seg_embed: the first per batch row and head, the second adding the
+batch rows per head (in PyTorch: some thirty small kernels).
 
 Rows come from up to two sources: the caller's rows ``[0, L)`` from Q (DOUT) and ``[L, M)`` from
 Q_G (DOUT_G), the query stream of a two-stream call, so that neither is concatenated. The bias
@@ -26,6 +27,11 @@ ROWS_PER_PROGRAM = 32
 # of BLOCK_D: 64 at D=64, 32 at D=128, where 64 rows spilled 12 B at sm_120 without segments).
 FINISH_BLOCK = 1024
 FINISH_STEP = 4096
+# The rows of a (batch row, head)'s partial sums that the finishing kernel writes and the heads'
+# kernel adds over batch rows (SUMS); batch rows per step of that sum.
+SUM_PARTK, SUM_PART, SUM_GQ, SUM_G = (tl.constexpr(i) for i in range(4))
+FINISH_PARTS = tl.constexpr(4)
+HEADS_B_STEP = 32
 
 
 @triton.jit
@@ -166,39 +172,37 @@ def _grad_operands_kernel(
 
 
 @triton.jit
-def _head_sums(PARTS, h, H, B, n_tiles, n_used, d, BLOCK_D: tl.constexpr, ROWS_STEP: tl.constexpr):
-    """(BLOCK_D,) fp32: the sum over batch rows and their first ``n_used`` tiles of head h's rows of
-    PARTS (B*H, n_tiles, BLOCK_D)."""
+def _tile_sums(PARTS, bh, n_tiles, n_used, d, BLOCK_D: tl.constexpr, ROWS_STEP: tl.constexpr):
+    """(BLOCK_D,) fp32: the sum of the first ``n_used`` tiles of row ``bh`` of PARTS (B*H, n_tiles, BLOCK_D)."""
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for b in range(0, B):
-        base = PARTS + (tl.cast(b, tl.int64) * H + h) * n_tiles * BLOCK_D
-        for t0 in range(0, n_used, ROWS_STEP):
-            t = t0 + tl.arange(0, ROWS_STEP)
-            acc += tl.sum(tl.load(base + t[:, None] * BLOCK_D + d[None, :], mask=(t < n_used)[:, None], other=0.0),
-                          axis=0)
+    base = PARTS + tl.cast(bh, tl.int64) * n_tiles * BLOCK_D
+    for t0 in range(0, n_used, ROWS_STEP):
+        t = t0 + tl.arange(0, ROWS_STEP)
+        acc += tl.sum(tl.load(base + t[:, None] * BLOCK_D + d[None, :], mask=(t < n_used)[:, None], other=0.0),
+                      axis=0)
     return acc
 
 
 @triton.jit
 def _grad_finish_kernel(
-    DKR_SUMS, DKR, PART, PARTK, G, ROWS, Q, Q_G, RS, SEGD, DRW, DRR, DRS, DSEG,
+    DKR_SUMS, DKR, PART, PARTK, G, ROWS, Q, Q_G, SUMS,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd,
-    n_dkr, dkr_rows, R, B, M, L, H, n_m_tiles, n_n_tiles, n_m_used, n_n_used, scale, n_convert,
+    n_dkr, dkr_rows, R, M, L, H, n_m_tiles, n_n_tiles, n_m_used, n_n_used, n_convert,
     SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     ROWS_STEP: tl.constexpr,
 ):
-    """The backward's last pass. Programs [0, n_convert) write dk_r: DKR (Br, R, H, HEAD_DIM) in k_r's
-    dtype, the kernels' fp32 sums DKR_SUMS (Br, dkr_rows, H, HEAD_DIM) over log2 e (the kernels
-    differentiate base-2 scores); ``n_dkr`` = Br * R * H * HEAD_DIM elements. Program n_convert + h
-    writes head h of the bias and segment gradients, each in its parameter's dtype (docs/DESIGN.md
-    §3; the dQ kernel's column sums PART (B*H, n_m_tiles, BLOCK_D), of which its launch filled the
-    first n_m_used tiles, are those of dq before the segment term, i.e. of both biases, the dK/dV
-    kernel's PARTK (B*H, n_n_tiles, BLOCK_D), n_n_used filled, r_w_bias's):
-    DRW = scale * PARTK summed, DRR = scale * PART summed - DRW, and with SEGMENTS, from G (B, H, M)
-    each row's dS over keys of another segment (rows in ROWS order; over its own segment's keys a
-    row's dS sums to -G): DRS = scale * sum(G) * SEGD and DSEG (2, H, HEAD_DIM) = -/+ scale *
-    sum over real rows of G * (q + r_s_bias), q read from Q/Q_G at the caller's rows.
-    Grid (n_convert + H,)."""
+    """The backward's last pass but one. Programs [0, n_convert) write dk_r: DKR (Br, R, H, HEAD_DIM)
+    in k_r's dtype, the kernels' fp32 sums DKR_SUMS (Br, dkr_rows, H, HEAD_DIM) over log2 e (the
+    kernels differentiate base-2 scores); ``n_dkr`` = Br * R * H * HEAD_DIM elements. Program
+    n_convert + b * H + h writes batch row b's share of head h's bias and segment sums to SUMS (B*H,
+    FINISH_PARTS, BLOCK_D) fp32, which ``_grad_heads_kernel`` adds over batch rows (one program per
+    head summing every batch row took 0.55 ms at B=32, H=16, 512/384 on an H100):
+    SUM_PARTK: the dK/dV kernel's PARTK (B*H, n_n_tiles, BLOCK_D) summed over its first n_n_used
+    tiles, the column sums of r_w_bias's gradient; SUM_PART: the dQ kernel's PART (B*H, n_m_tiles,
+    BLOCK_D), n_m_used filled, those of dq before the segment term (both biases); with SEGMENTS, from
+    G (B, H, M), each row's dS over keys of another segment (rows in ROWS order): SUM_GQ = sum over
+    real rows of G * q (q read from Q/Q_G at the caller's rows) and SUM_G = [sum of G, sum of G over
+    real rows, 0, ...]. Grid (n_convert + B * H,)."""
     pid = tl.program_id(0)
     if pid < n_convert:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -208,36 +212,74 @@ def _grad_finish_kernel(
         x = tl.load(DKR_SUMS + sums_at, mask=offs < n_dkr, other=0.0)
         tl.store(DKR + offs, (x / LOG2E).to(DKR.dtype.element_ty), mask=offs < n_dkr)
     else:
-        h = pid - n_convert
+        bh = pid - n_convert
+        b = tl.cast(bh // H, tl.int64)
+        h = bh % H
         d = tl.arange(0, BLOCK_D)
         d_in = d < HEAD_DIM
-        head = h * HEAD_DIM + d
-        dr_w = _head_sums(PARTK, h, H, B, n_n_tiles, n_n_used, d, BLOCK_D, ROWS_STEP) * scale
-        dr_r = _head_sums(PART, h, H, B, n_m_tiles, n_m_used, d, BLOCK_D, ROWS_STEP) * scale - dr_w
-        tl.store(DRW + head, dr_w.to(DRW.dtype.element_ty), mask=d_in)
-        tl.store(DRR + head, dr_r.to(DRR.dtype.element_ty), mask=d_in)
-        dr_s = tl.zeros((BLOCK_D,), tl.float32)
-        dseg = tl.zeros((BLOCK_D,), tl.float32)
+        out = SUMS + tl.cast(bh, tl.int64) * FINISH_PARTS * BLOCK_D + d
+        tl.store(out + SUM_PARTK * BLOCK_D, _tile_sums(PARTK, bh, n_n_tiles, n_n_used, d, BLOCK_D, ROWS_STEP))
+        tl.store(out + SUM_PART * BLOCK_D, _tile_sums(PART, bh, n_m_tiles, n_m_used, d, BLOCK_D, ROWS_STEP))
         if SEGMENTS:
             g_all = tl.zeros((ROWS_STEP,), tl.float32)
             g_real = tl.zeros((ROWS_STEP,), tl.float32)
             g_q = tl.zeros((BLOCK_D,), tl.float32)
-            for b in range(0, B):
-                b64 = tl.cast(b, tl.int64)
-                for m0 in range(0, M, ROWS_STEP):
-                    rows, row_in, src, real = _rows_of_program(ROWS, m0 // ROWS_STEP, b64, M, ROWS_STEP)
-                    g = tl.load(G + (b64 * H + h) * M + rows, mask=row_in, other=0.0)
-                    g_all += g
-                    g_real += tl.where(real, g, 0.0)
-                    q = _load_caller_rows(Q, Q_G, b64, src, h, d, L, real[:, None] & d_in[None, :], stride_qb,
-                                          stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd)
-                    g_q += tl.sum(g[:, None] * q, axis=0)
-            r_s = _as_dtype_of(tl.load(RS + head, mask=d_in, other=0.0), Q)
-            dr_s = scale * tl.sum(g_all, axis=0) * tl.load(SEGD + head, mask=d_in, other=0.0)
-            dseg = scale * (g_q + tl.sum(g_real, axis=0) * r_s)
-        tl.store(DRS + head, dr_s.to(DRS.dtype.element_ty), mask=d_in)
-        tl.store(DSEG + head, (-dseg).to(DSEG.dtype.element_ty), mask=d_in)
-        tl.store(DSEG + H * HEAD_DIM + head, dseg.to(DSEG.dtype.element_ty), mask=d_in)
+            for m0 in range(0, M, ROWS_STEP):
+                rows, row_in, src, real = _rows_of_program(ROWS, m0 // ROWS_STEP, b, M, ROWS_STEP)
+                g = tl.load(G + (b * H + h) * M + rows, mask=row_in, other=0.0)
+                g_all += g
+                g_real += tl.where(real, g, 0.0)
+                q = _load_caller_rows(Q, Q_G, b, src, h, d, L, real[:, None] & d_in[None, :], stride_qb,
+                                      stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd)
+                g_q += tl.sum(g[:, None] * q, axis=0)
+            tl.store(out + SUM_GQ * BLOCK_D, g_q)
+            g_sums = tl.where(d == 0, tl.sum(g_all, axis=0), tl.where(d == 1, tl.sum(g_real, axis=0), 0.0))
+            tl.store(out + SUM_G * BLOCK_D, g_sums)
 
 
-KERNELS = (_query_operands_kernel, _grad_operands_kernel, _grad_finish_kernel)
+@triton.jit
+def _batch_sums(SUMS, h, H, B, part, d, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr):
+    """(BLOCK_D,) fp32: row ``part`` of SUMS (B*H, FINISH_PARTS, BLOCK_D) summed over the batch rows of
+    head h, in batch order."""
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for b0 in range(0, B, B_STEP):
+        b = b0 + tl.arange(0, B_STEP)
+        at = ((tl.cast(b, tl.int64) * H + h) * FINISH_PARTS + part)[:, None] * BLOCK_D + d[None, :]
+        acc += tl.sum(tl.load(SUMS + at, mask=(b < B)[:, None], other=0.0), axis=0)
+    return acc
+
+
+@triton.jit
+def _grad_heads_kernel(
+    SUMS, Q, RS, SEGD, DRW, DRR, DRS, DSEG, B, H, scale,
+    SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr,
+):
+    """The backward's last pass: program h adds ``_grad_finish_kernel``'s SUMS over batch rows and
+    writes head h of the bias and segment gradients, each in its parameter's dtype (docs/DESIGN.md
+    §3): DRW = scale * SUM_PARTK, DRR = scale * SUM_PART - DRW, and with SEGMENTS (over its own
+    segment's keys a row's dS sums to -G) DRS = scale * sum(G) * SEGD (H, HEAD_DIM) and DSEG (2, H,
+    HEAD_DIM) = -/+ scale * (SUM_GQ + sum of G over real rows * r_s_bias), r_s_bias read from RS in
+    q's dtype (Q: only its dtype is read). Grid (H,)."""
+    h = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_in = d < HEAD_DIM
+    head = h * HEAD_DIM + d
+    dr_w = _batch_sums(SUMS, h, H, B, SUM_PARTK, d, BLOCK_D, B_STEP) * scale
+    dr_r = _batch_sums(SUMS, h, H, B, SUM_PART, d, BLOCK_D, B_STEP) * scale - dr_w
+    tl.store(DRW + head, dr_w.to(DRW.dtype.element_ty), mask=d_in)
+    tl.store(DRR + head, dr_r.to(DRR.dtype.element_ty), mask=d_in)
+    dr_s = tl.zeros((BLOCK_D,), tl.float32)
+    dseg = tl.zeros((BLOCK_D,), tl.float32)
+    if SEGMENTS:
+        g_sums = _batch_sums(SUMS, h, H, B, SUM_G, d, BLOCK_D, B_STEP)
+        g_all = tl.sum(tl.where(d == 0, g_sums, 0.0), axis=0)
+        g_real = tl.sum(tl.where(d == 1, g_sums, 0.0), axis=0)
+        r_s = _as_dtype_of(tl.load(RS + head, mask=d_in, other=0.0), Q)
+        dr_s = scale * g_all * tl.load(SEGD + head, mask=d_in, other=0.0)
+        dseg = scale * (_batch_sums(SUMS, h, H, B, SUM_GQ, d, BLOCK_D, B_STEP) + g_real * r_s)
+    tl.store(DRS + head, dr_s.to(DRS.dtype.element_ty), mask=d_in)
+    tl.store(DSEG + head, (-dseg).to(DSEG.dtype.element_ty), mask=d_in)
+    tl.store(DSEG + H * HEAD_DIM + head, dseg.to(DSEG.dtype.element_ty), mask=d_in)
+
+
+KERNELS = (_query_operands_kernel, _grad_operands_kernel, _grad_finish_kernel, _grad_heads_kernel)

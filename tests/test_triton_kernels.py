@@ -138,6 +138,24 @@ def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, determ
         assert_grads_match(g_s, g_r, tol=1e-5)
 
 
+@pytest.mark.parametrize("b_step", [2, 32])
+def test_bias_and_segment_gradients_add_every_batch_row(b_step, monkeypatch):
+    """The finishing pass sums per (batch row, head); the heads' pass adds the batch rows in steps
+    of ``HEADS_B_STEP``: with a step of 2 over 5 batch rows (two full steps and a ragged one), and
+    at the shipped step, every batch row counts in r_w_bias', r_r_bias', r_s_bias' and seg_embed's
+    gradients (padding rows included: target rows at -1)."""
+    from xlnet_fast.kernels import operands
+
+    from xlnet_fast import kernels
+
+    monkeypatch.setattr(operands, "HEADS_B_STEP", b_step)
+    kernels.clear_launches()  # no plan made at another step
+    q_pos = torch.randint(-1, 12, (5, 9), generator=torch.Generator().manual_seed(3))
+    case = make_case(B=5, M=9, qlen=12, H=2, D=16, mlen=3, mask="rank", self_visible=False, q_pos=q_pos,
+                     dtype=torch.float32).to(device=DEVICE)
+    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+
+
 @pytest.mark.parametrize("name", ["no_seg_no_mem", "content_seg_mem", "head_dim_96_uni"])
 def test_gradients_survive_the_autotuners_reset_to_zero(name, monkeypatch):
     """Triton's autotuner zeroes a kernel's ``reset_to_zero`` arguments before each timing and before
