@@ -7,7 +7,9 @@
 Providers (``PROVIDERS``), on the same random tensors (content stream, permutation rank mask,
 segments, memory): ``xlnet_fast`` (the op, Triton backend, autotuned), ``xlnet_fast_det`` (the same
 with ``torch.use_deterministic_algorithms(True)``: dk_r by a kernel that owns each k_r tile instead of
-atomics; forward+backward only), ``eager`` (the op, eager backend), ``hf`` (transformers'
+atomics; forward+backward only), ``xlnet_fast_prepared`` (the same op with its masks prepared
+once outside the timed call, ``masks=``, as a model's layers call it: ``xlnet_fast`` prepares them
+in every call), ``eager`` (the op, eager backend), ``hf`` (transformers'
 ``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it),
 ``flex`` (PyTorch FlexAttention as a user writes XLNet attention with it: ``bd = (q + r_r_bias) @ k_rᵀ``
 precomputed and gathered at ``qlen + j - i`` in a ``score_mod`` with the segment term, the rank mask
@@ -38,10 +40,10 @@ from bench import cases, runner
 from xlnet_fast.kernel_contract import contract
 
 RECORDS = "attention.json"
-PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
+PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
 CPU_PROVIDERS = ("eager", "hf")
 # providers that compute XLNet attention (the others: plain attention of the same shapes)
-XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_det", "eager", "hf", "flex")
+XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "eager", "hf", "flex")
 FLOPS_CONVENTION = "4*B*H*M*K*D fwd, x2.5 fwd+bwd"
 # the tile of bench.compiler.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
 FA2_REF_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -175,6 +177,9 @@ def provider_call(name: str, inputs: cases.OpCall, leaves: dict):
     if name in ("xlnet_fast", "xlnet_fast_det", "eager"):
         backend = "eager" if name == "eager" else "triton"
         return lambda: inputs.with_floats(leaves).call(backend=backend)
+    if name == "xlnet_fast_prepared":
+        call = inputs.prepared().with_floats(leaves)
+        return lambda: call.call(backend="triton")
     if name == "hf":
         return _hf_call(leaves, inputs.index)
     if name == "flex":
@@ -344,7 +349,7 @@ def unavailable(provider: str, mode: str, device: str, case: cases.AttentionCase
         return "needs CUDA (the flash backend)"
     if provider == "flex" and mode == "fwd_bwd":
         return "needs CUDA (FlexAttention has no backward on CPU)"
-    if provider in ("xlnet_fast", "xlnet_fast_det", "fa2_ref") and not contract.interpreting():
+    if provider in ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "fa2_ref") and not contract.interpreting():
         return "needs CUDA (or Triton's interpreter)"
     return None
 

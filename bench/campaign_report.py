@@ -62,13 +62,19 @@ def _ratio(a, b) -> float | None:
 
 
 def attention_grid(records) -> dict:
-    """``{(D, L, mlen, mode): {provider: record}}`` of the sweep's measurements (latest wins; the
-    repeat measurements are left out), OOM included."""
+    """``{(D, L, mlen, B, H, mode): {provider: record}}`` of the sweep's measurements (latest wins;
+    the repeat measurements are left out), OOM included."""
     grid = defaultdict(dict)
     for r in records:
         if r.get("op") == "xlnet_attn" and r.get("status") in ("ok", "oom") and not r.get("repeat"):
-            grid[(r["D"], r["L"], r["mlen"], r["mode"])][r["provider"]] = r
+            grid[_grid_key(r)][r["provider"]] = r
     return grid
+
+
+def _grid_key(r: dict) -> tuple:
+    """A measurement's shape in ``attention_grid`` (B, H: a shape off the sweep's grid can share
+    its L and mlen, e.g. issue 33's 8x12 at 512/384)."""
+    return r["D"], r["L"], r["mlen"], r["B"], r["H"], r["mode"]
 
 
 def _ratios(row: dict) -> tuple:
@@ -88,13 +94,13 @@ def attention_section(records) -> list:
             return "–" if rec is None else "OOM"
         return f"{rec['ms']:.3g} ms ({rec['tflops']:.3g})" if rec.get("tflops") else f"{rec['ms']:.3g} ms"
 
-    rows = [[D, L, mlen, next(iter(row.values()))["B"], mode] + [cell(row.get(p)) for p in provs]
-            + [_fmt(x) for x in _ratios(row)] for (D, L, mlen, mode), row in sorted(grid.items())]
+    rows = [[D, L, mlen, B, H, mode] + [cell(row.get(p)) for p in provs]
+            + [_fmt(x) for x in _ratios(row)] for (D, L, mlen, B, H, mode), row in sorted(grid.items())]
     lines = [f"Median ms (TFLOP/s, counted as {FLOPS_CONVENTION}); OOM = out of memory.", ""]
-    lines += _table(["D", "L", "mlen", "B", "mode", *provs, "xlnet_fast / sdpa_flash", "hf / xlnet_fast",
+    lines += _table(["D", "L", "mlen", "B", "H", "mode", *provs, "xlnet_fast / sdpa_flash", "hf / xlnet_fast",
                      "flex / xlnet_fast"], rows)
     for r in [r for r in _ok(records, "xlnet_attn") if r.get("repeat")]:
-        first = _ms(grid.get((r["D"], r["L"], r["mlen"], r["mode"]), {}).get(r["provider"]))
+        first = _ms(grid.get(_grid_key(r), {}).get(r["provider"]))
         if first:
             lines.append(f"\nSpread: {r['provider']} {r['mode']} D={r['D']} L={r['L']} timed twice: {first:.4g} and "
                          f"{r['ms']:.4g} ms ({100 * abs(r['ms'] - first) / first:.1f}% apart); smaller differences "
@@ -156,16 +162,16 @@ def ncu_section(records) -> list:
 def targets_section(records) -> list:
     """The GPU targets of docs/DESIGN.md §6, each met or missed with the measured ratio."""
     lines = []
-    for (D, L, mlen, mode), row in sorted(attention_grid(records).items()):
+    for (D, L, mlen, B, H, mode), row in sorted(attention_grid(records).items()):
         vs_flash, vs_hf, _ = _ratios(row)
         if mode == "fwd_bwd" and vs_flash is not None:
             verdict = "met" if vs_flash <= TARGET_VS_FLASH else f"missed by {vs_flash / TARGET_VS_FLASH:.2f}x"
-            lines.append(f"- fwd+bwd ≤ {TARGET_VS_FLASH:g}x SDPA-flash, D={D} L={L} mlen={mlen}: "
+            lines.append(f"- fwd+bwd ≤ {TARGET_VS_FLASH:g}x SDPA-flash, D={D} L={L} mlen={mlen} {B}x{H}: "
                          f"{vs_flash:.2f}x — {verdict}")
         if L == TARGET_HF_L and vs_hf is not None:
             verdict = "met" if vs_hf >= TARGET_VS_HF else f"missed by {TARGET_VS_HF / vs_hf:.2f}x"
-            lines.append(f"- ≥ {TARGET_VS_HF:g}x transformers' attention core, {mode}, D={D} L={L} mlen={mlen}: "
-                         f"{vs_hf:.1f}x — {verdict}")
+            lines.append(f"- ≥ {TARGET_VS_HF:g}x transformers' attention core, {mode}, D={D} L={L} mlen={mlen} "
+                         f"{B}x{H}: {vs_hf:.1f}x — {verdict}")
     ceiling = _ok(records, "ceiling_matmul")[-1:]
     best = max((r for r in _ok(records, "xlnet_attn") if r["provider"] == "xlnet_fast" and r.get("tflops")),
                key=lambda r: r["tflops"], default=None)
@@ -341,11 +347,11 @@ def readme_tables(records) -> str:
     out = [f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
            f"{env.get('date', '?')}; `python -m bench.campaign`, records in `bench/results/`), bf16, median ms:", ""]
     d64_first = sorted(attention_grid(records).items(), key=lambda kv: (kv[0][0] != 64, kv[0]))
-    rows = [[L, mlen, D, "fwd+bwd" if mode == "fwd_bwd" else "fwd",
+    rows = [[f"{B}×{H}", L, mlen, D, "fwd+bwd" if mode == "fwd_bwd" else "fwd",
              *["OOM" if (row.get(p) or {}).get("status") == "oom" else _fmt(_ms(row.get(p))) for p in README_PROVIDERS],
-             *[_fmt(x) for x in _ratios(row)[:2]]] for (D, L, mlen, mode), row in d64_first]
+             *[_fmt(x) for x in _ratios(row)[:2]]] for (D, L, mlen, B, H, mode), row in d64_first]
     if rows:
-        out += _table(["qlen", "mlen", "D", "pass", "xlnet_fast", "SDPA-flash (plain)", "FlexAttention", "transformers",
+        out += _table(["B×H", "qlen", "mlen", "D", "pass", "xlnet_fast", "SDPA-flash (plain)", "FlexAttention", "transformers",
                        "× flash", "speedup vs transformers"], rows)
     pre = model_section(records)
     if len(pre) > 1:

@@ -128,6 +128,7 @@ class OpCall:
     attn_mask: Tensor | None = None
     qlen: int | None = None
     self_visible: bool | None = None
+    masks: object = None  # xlnet_fast.PreparedMasks, in place of the index arguments: ``prepared()``
 
     @property
     def two_stream(self) -> bool:
@@ -169,6 +170,21 @@ class OpCall:
 
             fn = xlnet_fast.rel_attention_two_stream if self.two_stream else xlnet_fast.rel_attention
         return fn(*self.args(), **self.kwargs(), **options)
+
+    def prepared(self, backend: str = "triton") -> OpCall:
+        """The same call with its masks prepared once (``masks=``, tables for ``backend``), as a
+        model's layers call the op; the index arguments are then left out."""
+        import xlnet_fast
+
+        B, M = self.q.shape[:2]
+        K, device = self.k.shape[1], self.q.device
+        if self.two_stream:
+            masks = xlnet_fast.prepare_two_stream_masks(B, M, K, device=device, backend=backend, **self.index)
+        else:
+            masks = xlnet_fast.prepare_masks(B, M, K, device=device, backend=backend, qlen=self.qlen,
+                                             **self.index, **({} if self.self_visible is None
+                                                              else {"self_visible": self.self_visible}))
+        return self.replace(**dict.fromkeys(self.index), qlen=None, self_visible=None, masks=masks)
 
     def replace(self, **changes) -> OpCall:
         return dataclasses.replace(self, **changes)

@@ -69,11 +69,12 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     assert each_config["config"] == "each" and "fixed tiles" in each_config["reason"]
     # the sweep: every provider on the same shape
     [agree] = by(records, op="provider_agreement")
-    assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "hf", "flex"}
+    assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "xlnet_fast_prepared", "hf", "flex"}
     assert max(agree["rel_err_vs_eager_fp32"].values()) < 1e-5
     timed = by(records, op="xlnet_attn", status="ok")
     assert {(r["provider"], r["mode"]) for r in timed if not r.get("repeat")} == {
-        ("xlnet_fast", "fwd"), ("xlnet_fast", "fwd_bwd"), ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
+        ("xlnet_fast", "fwd"), ("xlnet_fast", "fwd_bwd"), ("xlnet_fast_prepared", "fwd"),
+        ("xlnet_fast_prepared", "fwd_bwd"), ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
         ("eager", "fwd_bwd"), ("hf", "fwd"), ("hf", "fwd_bwd"), ("flex", "fwd"), ("fa2_ref", "fwd"),
         ("fa2_ref", "fwd_bwd")}
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["D"] == 8 for r in timed)  # --sweep-D 8
@@ -399,18 +400,24 @@ def _gpu_like_records():
 
 def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in _gpu_like_records()) + '{"torn')
+    # issue 33's 8x12 shape shares L and mlen with the sweep's first point: both rows, keyed by B and H
+    # (the report once kept the later one only)
+    small = [{**r, "B": 8, "H": 12, "ms": r["ms"] / 2} for r in _gpu_like_records()
+             if r["op"] == "xlnet_attn" and r["provider"] in ("xlnet_fast", "sdpa_flash") and r["mode"] == "fwd_bwd"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in _gpu_like_records() + small) + '{"torn')
     out = tmp_path / "report"
     assert campaign.main(["--report", str(path), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "- fwd+bwd ≤ 2x SDPA-flash, D=64 L=512 mlen=384: 1.33x — met" in text
-    assert "- ≥ 10x transformers' attention core, fwd_bwd, D=64 L=512 mlen=384: 15.0x — met" in text
-    assert "- ≥ 10x transformers' attention core, fwd, D=64 L=512 mlen=384: 8.0x — missed by 1.25x" in text
+    assert "- fwd+bwd ≤ 2x SDPA-flash, D=64 L=512 mlen=384 32x16: 1.33x — met" in text
+    assert "- fwd+bwd ≤ 2x SDPA-flash, D=64 L=512 mlen=384 8x12: 1.33x — met" in text
+    assert "- ≥ 10x transformers' attention core, fwd_bwd, D=64 L=512 mlen=384 32x16: 15.0x — met" in text
+    assert "- ≥ 10x transformers' attention core, fwd, D=64 L=512 mlen=384 32x16: 8.0x — missed by 1.25x" in text
     assert "a.jsonl:" in text and "not a JSON record" in text  # the torn line is named, not silently dropped
     readme = text[text.index("## README tables"):]
     assert "Measured on NVIDIA H100 80GB HBM3 (torch 2.11.0, triton 3.6.0, 2026-12-01" in readme
-    assert "| 512 | 384 | 64 | fwd | 1 | 0.4 | OOM | 8 | 2.5 | 8 |" in readme
-    assert "| 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
+    assert "| 32×16 | 512 | 384 | 64 | fwd | 1 | 0.4 | OOM | 8 | 2.5 | 8 |" in readme
+    assert "| 32×16 | 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
+    assert "| 8×12 | 512 | 384 | 64 | fwd+bwd | 1 | 0.75 | – | – | 1.33 | – |" in readme
     # the older bench.pretrain_step's records read as training steps (its xlnet_fast is today's native)
     assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | 10.0 | – | 3 | 0.5 |" in readme
     assert sorted(p.name for p in out.iterdir()) == ["attention.png", "model_step.png", "summary.md"]
