@@ -1,4 +1,4 @@
-"""The attention kernels' per-row operands, and the backward's last pass, each one launch.
+"""The attention kernels' per-row operands, and the backward's last two passes, each one launch.
 
 The attention kernels (``rel_attention.py``) read the query side and, in the backward, dO in their
 own row order (``ROWS``: sorted by position) and head-major layout, pre-biased and pre-scaled. The
@@ -23,8 +23,9 @@ from .rel_attention import E_DELTA, E_FIELDS, E_SAME, INT32_MIN, LOG2E, ROW_FIEL
 
 # Rows per program: a (ROWS_PER_PROGRAM, BLOCK_D) tile, enough to keep a few loads in flight.
 ROWS_PER_PROGRAM = 32
-# The finishing kernel: elements of dk_r per converting program, and per step of a head's sums (rows
-# of BLOCK_D: 64 at D=64, 32 at D=128, where 64 rows spilled 12 B at sm_120 without segments).
+# The finishing kernel: elements of dk_r per converting program, and per step of a (batch row,
+# head)'s sums (rows of BLOCK_D: 64 at D=64, 32 at D=128, where 64 rows spilled 12 B at sm_120
+# without segments, when one program summed a head's every batch row).
 FINISH_BLOCK = 1024
 FINISH_STEP = 4096
 # The rows of a (batch row, head)'s partial sums that the finishing kernel writes and the heads'
