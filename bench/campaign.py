@@ -105,6 +105,9 @@ PYTEST_SHARE = 0.5  # of the correctness step's time, the suite's (the float64 c
 # One test past this (its compiles included) fails as a timeout and the suite goes on
 # (pinned_configs.TIMEOUT_ENV); at most half the suite's share, so that one hang cannot take all of it.
 PER_TEST_TIMEOUT_S = 120.0
+# The suite's failed tests re-run alone for their failure text: at most this share of what the
+# correctness step has left, and RERUN_MAX_S; the text kept, its last FAILURE_TEXT_CHARS.
+RERUN_SHARE, RERUN_MAX_S, FAILURE_TEXT_CHARS = 0.3, 120.0, 6000
 SWEEP_MODES = ("fwd", "fwd_bwd")
 # In the order they are measured at each shape: the headline comparison first, FlexAttention (the
 # slowest to compile: one graph per shape and mode) last, so a cut at the step's end costs it first.
@@ -435,22 +438,30 @@ def parse_pytest(lines: list) -> dict:
             "timed_out_tests": sorted(timed_out), "tests": dict(sorted(tests.items())), "gpu_only_tests": gpu_only}
 
 
+def _pytest_command(r: Reporter, root: Path = ROOT) -> tuple[list, dict, str | None]:
+    """pytest's command (verbose, failures summarised, the campaign's plugins, the project's
+    configuration), its environment (no ``TRITON_INTERPRET``; on a GPU the kernels pinned to
+    ``PYTEST_CONFIGS``) and the pinned configs."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-p", "bench.source_tree",
+           "-p", "bench.compiler.pinned_configs", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(root)]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", pinned_configs.ENV)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    pinned = ",".join(PYTEST_CONFIGS) if r.device == "cuda" else None
+    if pinned:
+        env[pinned_configs.ENV] = pinned
+    return cmd, env, pinned
+
+
 def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
     """The suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (on a GPU the compiled
     kernels, pinned to ``PYTEST_CONFIGS``; on CPU, where tests/conftest.py turns the interpreter on, a
     quick selection), stopped after ``timeout_s``; its output goes to the log only."""
     import importlib.util
 
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "-p", "bench.source_tree",
-           "-p", "bench.compiler.pinned_configs", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]
+    cmd, env, pinned = _pytest_command(r)
     if plan.pytest_workers > 1 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(plan.pytest_workers)]
     cmd += (["-k", plan.pytest_k] if plan.pytest_k else []) + [str(ROOT / t) for t in plan.pytest_targets]
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", pinned_configs.ENV)}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    pinned = ",".join(PYTEST_CONFIGS) if r.device == "cuda" else None
-    if pinned:
-        env[pinned_configs.ENV] = pinned
     per_test = round(min(PER_TEST_TIMEOUT_S, max(timeout_s * 0.5, 1.0)), 1)
     env[pinned_configs.TIMEOUT_ENV] = str(per_test)
     r.log(f"pytest (up to {timeout_s:.0f} s, {per_test:g} s a test): {' '.join(cmd[cmd.index('--rootdir') + 2:])}")
@@ -469,6 +480,32 @@ def run_pytest(r: Reporter, plan: Plan, timeout_s: float) -> dict:
     return result
 
 
+def rerun_failed(r: Reporter, test_ids: list, timeout_s: float, root: Path = ROOT) -> dict:
+    """``test_ids`` (relative to ``root``) again, alone, one process, with their failure text
+    (``--tb=short``): a suite stopped at its share prints no failure summary (the H100's first run
+    lost two tests' reasons so), and a test that passes alone points at the suite's load or order.
+    Fields: ``tests`` (outcome by id), ``failed_tests``, ``passed_alone``, ``failure_text`` (pytest's
+    FAILURES section, its last FAILURE_TEXT_CHARS)."""
+    cmd, env, pinned = _pytest_command(r, root)
+    cmd += ["--tb=short"] + [str(root / t) for t in test_ids]
+    r.log(f"pytest, the failed tests alone (up to {timeout_s:.0f} s): {' '.join(test_ids)}")
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="campaign_pytest_") as cwd:
+        lines, returncode, stopped = _run_logged(r, cmd, cwd, env, timeout_s)
+    parsed = parse_pytest(lines)
+    start = next((i for i, line in enumerate(lines) if re.match(r"^=+ FAILURES =+$", line.strip())), len(lines))
+    result = {"tests": parsed["tests"], "failed_tests": parsed["failed_tests"],
+              "passed_alone": sorted(t for t, outcome in parsed["tests"].items() if outcome == "passed"),
+              "failure_text": "\n".join(lines[start:])[-FAILURE_TEXT_CHARS:], "returncode": returncode,
+              "seconds": round(time.time() - t0, 1), "pinned_config": pinned}
+    if stopped:
+        result.update(status="cut", reason=f"stopped after {timeout_s:.0f} s")
+    elif parsed["failed_tests"]:
+        result.update(status="error", error=f"failed again alone: {', '.join(parsed['failed_tests'])}")
+    r.log(f"pytest alone: {parsed['closing_line'] or parsed['counts']}")
+    return result
+
+
 def _check(name: str, case, dtypes, deterministic: bool, device: str, **extra) -> list:
     """``bench.gpu_check``'s records of ``case``, errors where outside the suite's tolerance."""
     return [{**rec, **extra, **({} if rec["within_tolerance"] else
@@ -479,7 +516,10 @@ def _check(name: str, case, dtypes, deterministic: bool, device: str, **extra) -
 def step_correctness(r: Reporter, plan: Plan) -> None:
     """The suite's GPU tests, ``bench.gpu_check``'s float64 comparison, then one case at each config."""
     for _ in r.each(["pytest"], str, "pytest"):
-        r.attempt("pytest", lambda: run_pytest(r, plan, r.left() * PYTEST_SHARE))
+        [suite] = r.attempt("pytest", lambda: run_pytest(r, plan, r.left() * PYTEST_SHARE))
+        failed = suite.get("failed_tests") or []
+        for _ in r.each(["the failed tests alone"] if failed else [], str, "pytest_rerun"):
+            r.attempt("pytest_rerun", lambda: rerun_failed(r, failed, min(RERUN_MAX_S, r.left() * RERUN_SHARE)))
     tuning = _Tuning(r)
     label = lambda c: f"{c[0]}{' deterministic' if c[3] else ''}"  # noqa: E731
     for name, case, dtypes, det in r.each(list(plan.checks), label, "xlnet_attn_check"):

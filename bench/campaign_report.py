@@ -207,6 +207,12 @@ def correctness_section(records) -> list:
                      + (f", kernels pinned to {r['pinned_config']}" if r.get("pinned_config") else "")
                      + (f"; failed: {', '.join(r['failed_tests'])}" if r.get("failed_tests") else "")
                      + (f"; timed out: {', '.join(r['timed_out_tests'])}" if r.get("timed_out_tests") else ""))
+    for r in [r for r in records if r.get("op") == "pytest_rerun"]:
+        lines.append(f"- the failed tests alone ({r['status']}): "
+                     + "; ".join(f"{what}: {', '.join(r[key])}" for what, key in (
+                         ("failed again", "failed_tests"), ("passed alone", "passed_alone")) if r.get(key))
+                     + (f" (failure text in the record, {len(r['failure_text'])} characters)"
+                        if r.get("failure_text") else ""))
     checks = [r for r in records if r.get("op") == "xlnet_attn_check" and "rel_err_out" in r]
     if checks:
         lines += [""] + _table(

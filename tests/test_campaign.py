@@ -260,6 +260,26 @@ def test_a_test_past_its_timeout_fails_by_name_and_the_suite_goes_on(tmp_path):
     assert got["timed_out_tests"] == ["tests/test_hang.py::test_hangs"] and got["counts"]["failed"] == 1
 
 
+def test_failed_tests_run_again_alone_with_their_failure_text(tmp_path, capsys):
+    """The correctness step re-runs the suite's failed tests alone (``rerun_failed``): a suite stopped
+    at its share prints no failure text (the H100's first run lost two tests' reasons so); the record
+    keeps pytest's FAILURES section and names what passes alone; the summary says both."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_f.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('n', [1])\ndef test_fails(n):\n    assert n == 2, 'boom'\n\n"
+        "def test_ok():\n    assert True\n")
+    r = campaign.Reporter(time.time() + 120, "cpu")
+    got = campaign.rerun_failed(r, ["tests/test_f.py::test_fails[1]", "tests/test_f.py::test_ok"], 100, root=tmp_path)
+    capsys.readouterr()  # the protocol lines
+    assert got["status"] == "error" and got["failed_tests"] == ["tests/test_f.py::test_fails[1]"]
+    assert got["passed_alone"] == ["tests/test_f.py::test_ok"]
+    assert "FAILURES" in got["failure_text"] and "boom" in got["failure_text"]
+    record = {"run": "r", "step": "correctness", "t": 1.0, "device": "x", "op": "pytest_rerun", **got}
+    text = campaign_report.summary_markdown([record])
+    assert ("- the failed tests alone (error): failed again: tests/test_f.py::test_fails[1]; passed alone: "
+            "tests/test_f.py::test_ok (failure text in the record") in text
+
+
 def test_ncu_csv_is_read_into_one_record_per_kernel():
     """``ncu --csv --page raw`` as it prints (a header, a units row, one row per kernel, the profiled
     program's own lines between): the bank conflicts, wavefronts and each stall reason per kernel."""
