@@ -39,6 +39,12 @@ MAX_HEAD_DIM = 128
 # re-plans the shapes seen. Rows of DS start 16-element aligned.
 STORED_DS_BYTES = 2**31
 DS_ROW_ALIGN = 16
+# From this arch on the kernels read their key-side tiles through tensor descriptors (TMA: the copy
+# engine fills shared memory, no per-element addresses or registers; bench/NOTES.md, kernel v4 step
+# 4) where the tensors allow it (``_tma_loads``). The interpreter runs that path too (tests set
+# INTERPRETER_TMA False to run the pointer path of older GPUs and unaligned tensors).
+TMA_ARCH = 90
+INTERPRETER_TMA = True
 
 
 @functools.cache
@@ -258,6 +264,7 @@ class _Shape(NamedTuple):
     banded_only: bool
     tf32: bool
     aligned: bool | tuple
+    tma: bool  # key-side tiles through tensor descriptors (``_tma_loads``)
     tiles: tuple | None  # the interpreter's tile sizes (tests change them), which size the tables
     grads: tuple | None = None  # backward: dO's and dO_g's shapes and strides, alignment, deterministic
 
@@ -289,7 +296,35 @@ def _shape(q, q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask) -> _Shape:
         MASK_DENSE if mask is not None else MASK_RANKS if a.q_rank is not None else MASK_NONE,
         a.q_pos is None or a.rows_cover_qlen, q.dtype == torch.float32 and _input_precision(q.dtype) == "tf32",
         _aligned(q, q_g, k, v, k_r, mask, r_w_bias, r_r_bias, a.r_s_bias, a.seg_embed),
+        _tma_loads(q.device, k, v, k_r),
         (_k.INTERPRETER_TILES["BLOCK_M"], _k.INTERPRETER_TILES["BLOCK_N"]) if INTERPRETED else None)
+
+
+_ARCHS: dict = {}
+
+
+def _tma_loads(device, k, v, k_r) -> bool:
+    """Whether the kernels read k, v and k_r tiles through tensor descriptors: on sm_TMA_ARCH and
+    newer (and in the interpreter unless INTERPRETER_TMA is off), when each (batch row, head) slice
+    of all three starts 16-byte aligned with its rows a multiple of 16 bytes apart and unit last
+    stride (what TMA requires; k_r's batch stride is unused when it has one batch row)."""
+    if INTERPRETED:
+        if not INTERPRETER_TMA:
+            return False
+    else:
+        arch = _k.compile_target()
+        if arch is None:
+            arch = _ARCHS.get(device.index)
+            if arch is None:
+                arch = _ARCHS[device.index] = _k._device_arch(device)
+        if arch < TMA_ARCH:
+            return False
+    for t in (k, v, k_r):
+        size = t.element_size()
+        strides = t.stride()[1:] if t is k_r and t.shape[0] == 1 else t.stride()
+        if strides[-1] != 1 or t.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:-1]):
+            return False
+    return True
 
 
 _STATIC: dict = {}
@@ -330,11 +365,13 @@ def _static_args(shape: _Shape) -> dict:
         sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
                    device=shape.device),
         qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
-        fwd=dict(attn, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0], stride_om=out_strides[1],
+        fwd=dict(attn, TMA=shape.tma, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0], stride_om=out_strides[1],
                  stride_oh=out_strides[2]),
         dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False),
         dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
-                ds_pitch=0, FROM_DS=False),
+                ds_pitch=0, FROM_DS=False, TMA=shape.tma, n_dkr_rows=dkr_rows,
+                # triton's interpreter has no descriptor reductions: its dk_r atomics are per element
+                TMA_REDUCE=shape.tma and not INTERPRETED),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
                  batch_per_kr=B // Br, ds_pitch=0, FROM_DS=False),
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R,
@@ -357,7 +394,9 @@ def _static_args(shape: _Shape) -> dict:
         static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
         # dS kept for the dQ and dk_r kernels when small enough (the FIX_UP launch stores none); else
         # they recompute it, each a role of its own (its own autotuning, configs and records)
-        static["dq_recompute"] = dict(static["dq"])
+        # the recomputing dQ reads its tiles through pointers: with descriptors its best spill-free
+        # build (32x32w4s1, mma.sync) paid 1.37x for dropout on sm_90 (bench/NOTES.md, kernel v4 step 4)
+        static["dq_recompute"] = dict(static["dq"], TMA=False, TMA_REDUCE=False)
         static["dkr_recompute"] = dict(static["dkr"])
         ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
         if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= STORED_DS_BYTES:
@@ -384,6 +423,22 @@ _PLAIN = {"qops": "_query_operands_kernel", "gops": "_grad_operands_kernel", "fi
           "heads": "_grad_heads_kernel"}
 
 
+def _scratch(size: int, alignment: int, stream):
+    """Global memory for the tensor descriptors a kernel builds (128 bytes each per program), from
+    torch's caching allocator on the current device (in stream order, as the launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Kernels that build tensor descriptors need triton's allocator for their scratch at every
+    launch. Set ours where none is (triton's default raises); one set by the caller is kept. It is
+    per thread (a context variable): autograd runs the backward on a thread of its own."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
 def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config=None) -> dict:
     """Launch kernel ``role`` with its arguments of the call's ``plan`` (``_static_args``) and
     ``tensors``; return its tile sizes (BLOCK_M, BLOCK_N). Attention kernels run at the interpreter's
@@ -392,6 +447,8 @@ def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config
     order of float sums); at ``config`` when given (the FIX_UP launch takes its dK/dV launch's); else
     at the autotuner's choice. Past its first launch at the call's shape a kernel is launched bound
     (``launch.py``): its tensors only."""
+    if plan[role].get("TMA") and not INTERPRETED:
+        _ensure_scratch_allocator()
     bound = plan["bound"].get((role, deterministic))
     if bound is not None:
         bound(tensors)

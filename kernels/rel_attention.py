@@ -236,6 +236,29 @@ def _load_rows(base, stride_row, first, n_rows, offs_d, ROWS: tl.constexpr, HEAD
 
 
 @triton.jit
+def _row_source(base, n_rows, stride_row, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                TMA: tl.constexpr):
+    """What ``_rows`` reads tiles of ROWS rows of a (n_rows, HEAD_DIM) matrix from: with TMA a
+    tensor descriptor (the copy engine fills shared memory, zeros outside the matrix, no address
+    arithmetic or registers per element), else the base pointer."""
+    if TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                         block_shape=[ROWS, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def _rows(source, stride_row, first, n_rows, offs_d, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+          TMA: tl.constexpr):
+    """``_load_rows`` from a ``_row_source``: rows ``first .. first + ROWS`` (zeros outside)."""
+    if TMA:
+        return source.load([first, 0])
+    else:
+        return _load_rows(source, stride_row, first, n_rows, offs_d, ROWS, HEAD_DIM)
+
+
+@triton.jit
 def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """bd (BLOCK_M, BLOCK_N) from a window given as two (BLOCK_M, BLOCK_N) halves."""
     window = tl.reshape(tl.permute(tl.join(raw_lo, raw_hi), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
@@ -369,16 +392,16 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, m_start, keep_threshold,
+def _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, m_start, keep_threshold,
             DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+            DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the forward after its scores: online softmax, dropout, acc += P V (the kept
     probabilities unscaled: the kernel scales the output by 1 / (1 - rate) once)."""
     prob, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
     if DROPOUT:
         keep = _dropout_keep(seed, pid_bh, m_start, n0, keep_threshold, BLOCK_M, BLOCK_N)
         prob = tl.where(keep, prob, 0.0)
-    v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+    v = _rows(v_src, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
     acc = acc * alpha[:, None] + tl.dot(prob.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=INPUT_PRECISION)
     return acc, m_i, l_i
 
@@ -392,6 +415,7 @@ def _fwd_kernel(
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
+    TMA: tl.constexpr = False,
 ):
     """One query tile of one (batch row, head): OUT (B, M, H, D) at the caller's rows, scaled by
     ``keep_scale`` (dropout's 1 / (1 - rate)), and LSE (B, H, M) the natural-log log-sum-exp of the
@@ -411,6 +435,9 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     seed = _load_seed(SEED, DROPOUT)
+    k_src = _row_source(k_base, N_KEYS, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+    v_src = _row_source(v_base, N_KEYS, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+    kr_src = _row_source(kr_base, R, stride_rr, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
 
     # 1. query side: the launcher's operands (bias and scale folded in), per-row metadata
     query = _query_tile(
@@ -425,33 +452,33 @@ def _fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     if banded:
         # 2. banded tiles: carry the lower half of each k_r window to the next key tile
-        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM)
+        kr_lo = _rows(kr_src, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
         raw_lo = tl.dot(query.q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         for n0 in range(0, N_KEYS, BLOCK_N):
-            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
-            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM)
+            k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
+            kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
             raw_hi = tl.dot(query.q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             # the content term accumulates onto the relative one: the window is dead by then
             bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
             s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
+            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
                                     pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
-                                    INPUT_PRECISION)
+                                    INPUT_PRECISION, TMA)
             raw_lo = raw_hi
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
         for n0 in range(0, N_KEYS, BLOCK_N):
-            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+            k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
             bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                              BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
             s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_base, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
+            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
                                     pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
-                                    INPUT_PRECISION)
+                                    INPUT_PRECISION, TMA)
 
     # 3. normalise; write the rows back to the caller's order
     has_key = l_i > 0
@@ -559,10 +586,15 @@ def _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N: tl.cons
 
 @triton.jit
 def _dkr_atomic(dkr_base, stride_row, first, dsc, q_r, offs_d, ROWS: tl.constexpr,
-                HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics). No row mask: the launcher's DKR has
-    room for every window past R (``_dkr_buffer``)."""
+                HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                dkr_src=None, TMA_REDUCE: tl.constexpr = False):
+    """dk_r[first : first + ROWS] += dsc^T @ q_r (fp32 atomics; with TMA_REDUCE a reduction by the
+    copy engine through ``dkr_src``, a descriptor of tiles of ROWS rows). No row mask: the launcher's
+    DKR has room for every window past R (``_dkr_buffer``)."""
     part = tl.dot(tl.trans(dsc.to(DOT_DTYPE)), q_r, input_precision=INPUT_PRECISION)
+    if TMA_REDUCE:
+        dkr_src.atomic_add([first, 0], part)
+        return
     # one scalar base per call and int32 offsets: 64-bit pointers per element kept across the key
     # loop would hold two registers each
     in_tile = tl.arange(0, ROWS)[:, None] * stride_row + offs_d[None, :]
@@ -736,7 +768,8 @@ def _bwd_q_kernel(
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    NUM_WARPS: tl.constexpr, FROM_DS: tl.constexpr = False,
+    NUM_WARPS: tl.constexpr, FROM_DS: tl.constexpr = False, TMA: tl.constexpr = False,
+    TMA_REDUCE: tl.constexpr = False, n_dkr_rows=0,
 ):
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
@@ -772,9 +805,19 @@ def _bwd_q_kernel(
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     dkr_stride_row = H * HEAD_DIM
     if banded:
+        k_src = _row_source(k_base, N_KEYS, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        v_src = _row_source(v_base, N_KEYS, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        kr_src = _row_source(kr_base, R, stride_rr, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
+        dkr_src = None
+        if DKR_ATOMIC and TMA_REDUCE:
+            dkr_src = tl.make_tensor_descriptor(dkr_base, shape=[n_dkr_rows, HEAD_DIM], strides=[dkr_stride_row, 1],
+                                                block_shape=[BLOCK_N, BLOCK_D])
+        if FROM_DS and TMA:
+            ds_src = tl.make_tensor_descriptor(DS + bh_rows * ds_pitch, shape=[M, N_KEYS], strides=[ds_pitch, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
         # the k_r rows of a window's lower half carry from the key tile before (its upper half), and
         # so does dS: the window rows of the lower half read this tile's dS and the previous one's
-        kr_lo = _load_rows(kr_base, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+        kr_lo = _rows(kr_src, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
         # the product of the lower half carries too (one dot per key tile instead of two) where its
         # fp32 tile takes at most 8 registers a thread; measured: 32x32w4 tiles gain (sm_90: 54.5 ->
         # 48.5 inst/score), 32x32w2, 32x64w4 and 64x64 tiles spill more
@@ -791,14 +834,17 @@ def _bwd_q_kernel(
         unskew_idx = tl.reshape(_flat_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
                                             BLOCK_N - lag[:, None], 2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
-            k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
-            kr_hi = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N,
-                               HEAD_DIM).to(DOT_DTYPE)
+            k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
+            kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM,
+                          TMA).to(DOT_DTYPE)
             if RELOAD_KR:
-                kr_lo = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+                kr_lo = _rows(kr_src, stride_rr, qlen + n0 - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
             if FROM_DS:
-                ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
-                ds_cur = tl.load(ds_ptrs, mask=ds_ok, other=0.0).to(DOT_DTYPE)
+                if TMA:
+                    ds_cur = ds_src.load([pid_m * BLOCK_M, n0]).to(DOT_DTYPE)
+                else:
+                    ds_ptrs, ds_ok = _stored_ds_tile(DS, bh_rows, ds_pitch, rows, n0, M, N_KEYS, BLOCK_N)
+                    ds_cur = tl.load(ds_ptrs, mask=ds_ok, other=0.0).to(DOT_DTYPE)
             else:
                 if not CARRY_PRODUCT:
                     raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
@@ -807,7 +853,7 @@ def _bwd_q_kernel(
                 s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
                 s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                    n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, BLOCK_N)
-                v = _load_rows(v_base, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)
+                v = _rows(v_src, stride_vn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
                 _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, pid_m * BLOCK_M, n0, keep_threshold,
                                    DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
                 ds_cur = ds.to(DOT_DTYPE)
@@ -816,7 +862,7 @@ def _bwd_q_kernel(
             dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
             if DKR_ATOMIC:
                 _dkr_atomic(dkr_base, dkr_stride_row, qlen + n0 - p_hi, dsc, query.q_r, offs_d,
-                            BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                            BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, dkr_src, TMA_REDUCE)
             ds_prev = ds_cur
             if not RELOAD_KR:
                 kr_lo = kr_hi
@@ -824,13 +870,13 @@ def _bwd_q_kernel(
                 raw_lo = raw_hi
         # the last window's upper half
         if RELOAD_KR:
-            kr_lo = _load_rows(kr_base, stride_rr, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R, offs_d,
-                               BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
+            kr_lo = _rows(kr_src, stride_rr, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi, R, offs_d,
+                          BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
         dsc = _unskew_join(ds_prev, tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE), unskew_idx, BLOCK_M, BLOCK_N, FROM_DS)
         dq = tl.dot(dsc, kr_lo, dq, input_precision=INPUT_PRECISION)
         if DKR_ATOMIC:
             _dkr_atomic(dkr_base, dkr_stride_row, qlen + tl.cdiv(N_KEYS, BLOCK_N) * BLOCK_N - p_hi,
-                        dsc, query.q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                        dsc, query.q_r, offs_d, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, dkr_src, TMA_REDUCE)
     else:
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _load_rows(k_base, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM)

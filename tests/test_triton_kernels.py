@@ -138,6 +138,66 @@ def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, determ
         assert_grads_match(g_s, g_r, tol=1e-5)
 
 
+def tma_plans(role: str) -> set:
+    """Whether kernel ``role`` read its tiles through tensor descriptors, per plan made since the last
+    ``clear_launches``."""
+    from xlnet_fast import kernels
+
+    return {plan[role]["TMA"] for plan in kernels._STATIC.values() if role in plan}
+
+
+@pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding", "head_dim_96_uni", "dense_uni"])
+def test_descriptor_and_pointer_loads_give_the_same_results(name, monkeypatch):
+    """From sm_90 on the forward and the dQ kernel read k, v, k_r (and the stored dS) through tensor
+    descriptors (TMA), older GPUs and unaligned tensors through pointers: both paths against the
+    float64 eager path, and against each other (the same products in the same order)."""
+    from xlnet_fast import kernels
+
+    case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    found = {}
+    try:
+        for tma in (True, False):
+            monkeypatch.setattr(kernels, "INTERPRETER_TMA", tma)
+            kernels.clear_launches()
+            assert_matches_eager(case, dout)
+            assert tma_plans("fwd") == tma_plans("dq") == {tma}
+            found[tma] = grads(triton_attention, case, dout)
+    finally:
+        kernels.clear_launches()
+    (out_t, g_t), (out_p, g_p) = found[True], found[False]
+    assert torch.equal(out_t, out_p)
+    assert_grads_match(g_t, g_p, tol=1e-6)
+
+
+def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
+    """``_tma_loads``: descriptors need every (batch row, head) slice of k, v and k_r 16-byte aligned,
+    rows a multiple of 16 bytes apart, unit last stride, and a GPU of sm_90 or newer; k_r's batch
+    stride does not count when it has one batch row."""
+    from xlnet_fast import kernels
+
+    monkeypatch.setattr(kernels, "INTERPRETER_TMA", True)
+    k = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
+    k_r = torch.zeros(1, 16, 3, 64, dtype=torch.bfloat16)
+    assert kernels._tma_loads(k.device, k, k, k_r)
+    odd = (16 * 3 * 64 + 1, 3 * 64, 64, 1)  # batch rows 2 bytes past a multiple of 16 apart
+    one_row = torch.zeros(16 * 3 * 64, dtype=torch.bfloat16).as_strided((1, 16, 3, 64), odd)
+    assert kernels._tma_loads(k.device, k, k, one_row)  # one batch row: its stride is never used
+    two_rows = torch.zeros(2 * odd[0], dtype=torch.bfloat16).as_strided((2, 16, 3, 64), odd)
+    assert not kernels._tma_loads(k.device, k, k, two_rows)
+    misaligned = torch.zeros(2 * 8 * 3 * 64 + 4, dtype=torch.bfloat16)[4:].view(2, 8, 3, 64)
+    assert not kernels._tma_loads(k.device, misaligned, k, k_r)
+    head_dim_36 = torch.zeros(2, 8, 3, 36, dtype=torch.bfloat16)  # heads 72 bytes apart
+    assert not kernels._tma_loads(k.device, head_dim_36, head_dim_36, torch.zeros(1, 16, 3, 36, dtype=torch.bfloat16))
+    assert not kernels._tma_loads(k.device, k.transpose(1, 3), k, k_r)  # last stride not 1
+    monkeypatch.setattr(kernels, "INTERPRETER_TMA", False)
+    assert not kernels._tma_loads(k.device, k, k, k_r)
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    for arch, expected in ((80, False), (89, False), (90, True), (120, True)):
+        with kernels._k.compiling_for(arch):
+            assert kernels._tma_loads(k.device, k, k, k_r) is expected
+
+
 @pytest.mark.parametrize("b_step", [2, 32])
 def test_bias_and_segment_gradients_add_every_batch_row(b_step, monkeypatch):
     """The finishing pass sums per (batch row, head); the heads' pass adds the batch rows in steps
