@@ -9,7 +9,8 @@ segments, memory): ``xlnet_fast`` (the op, Triton backend, autotuned), ``xlnet_f
 with ``torch.use_deterministic_algorithms(True)``: dk_r by a kernel that owns each k_r tile instead of
 atomics; forward+backward only), ``xlnet_fast_prepared`` (the same op with its masks prepared
 once outside the timed call, ``masks=``, as a model's layers call it: ``xlnet_fast`` prepares them
-in every call), ``eager`` (the op, eager backend), ``hf`` (transformers'
+in every call), ``xlnet_fast_pointers`` (``xlnet_fast_prepared`` with every tile read through
+pointers, as on GPUs before sm_90: against it, what the tensor descriptors bring), ``eager`` (the op, eager backend), ``hf`` (transformers'
 ``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it),
 ``flex`` (PyTorch FlexAttention as a user writes XLNet attention with it: ``bd = (q + r_r_bias) @ k_rᵀ``
 precomputed and gathered at ``qlen + j - i`` in a ``score_mod`` with the segment term, the rank mask
@@ -40,10 +41,12 @@ from bench import cases, runner
 from xlnet_fast.kernel_contract import contract
 
 RECORDS = "attention.json"
-PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
+PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_det", "eager", "hf", "flex",
+             "sdpa_flash", "fa2_ref")
 CPU_PROVIDERS = ("eager", "hf")
 # providers that compute XLNet attention (the others: plain attention of the same shapes)
-XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "eager", "hf", "flex")
+XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_det", "eager", "hf",
+                   "flex")
 FLOPS_CONVENTION = "4*B*H*M*K*D fwd, x2.5 fwd+bwd"
 # the tile of bench.compiler.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
 FA2_REF_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -177,7 +180,7 @@ def provider_call(name: str, inputs: cases.OpCall, leaves: dict):
     if name in ("xlnet_fast", "xlnet_fast_det", "eager"):
         backend = "eager" if name == "eager" else "triton"
         return lambda: inputs.with_floats(leaves).call(backend=backend)
-    if name == "xlnet_fast_prepared":
+    if name in ("xlnet_fast_prepared", "xlnet_fast_pointers"):
         call = inputs.prepared().with_floats(leaves)
         return lambda: call.call(backend="triton")
     if name == "hf":
@@ -194,7 +197,8 @@ def provider_call(name: str, inputs: cases.OpCall, leaves: dict):
 def provider_output(name: str, inputs: cases.OpCall, leaves: dict | None = None) -> torch.Tensor:
     """``name``'s forward output on the case's floats (or ``leaves``) as ``(B, M, H, D)``."""
     with torch.no_grad():
-        out = provider_call(name, inputs, dict(inputs.floats if leaves is None else leaves))()
+        run = provider_call(name, inputs, dict(inputs.floats if leaves is None else leaves))
+        out = (_pointer_loads(run) if name == "xlnet_fast_pointers" else run)()
     if name == "hf":
         return out.transpose(0, 1)
     return out.transpose(1, 2) if name == "sdpa_flash" else out
@@ -208,12 +212,24 @@ def _deterministic(run):
     return step
 
 
+def _pointer_loads(run):
+    """``run`` with the kernels reading their tiles through pointers (its backward included)."""
+    from xlnet_fast import kernels
+
+    def step():
+        with kernels.pointer_loads():
+            return run()
+    return step
+
+
 def provider_fn(name: str, inputs: cases.OpCall, mode: str):
     """A zero-argument callable running one forward (and backward) of ``name``."""
     if name == "fa2_ref" and mode == "fwd_bwd":  # no autograd: its own backward kernels
         return _fa2_ref_call(inputs.floats, backward=True)
     leaves = {k: v.detach().requires_grad_(mode == "fwd_bwd") for k, v in inputs.floats.items()}
     run = provider_call(name, inputs, leaves)
+    if name == "xlnet_fast_pointers":
+        run = _pointer_loads(run)
     if mode == "fwd":
         def step():
             with torch.no_grad():
@@ -349,7 +365,7 @@ def unavailable(provider: str, mode: str, device: str, case: cases.AttentionCase
         return "needs CUDA (the flash backend)"
     if provider == "flex" and mode == "fwd_bwd":
         return "needs CUDA (FlexAttention has no backward on CPU)"
-    if provider in ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_det", "fa2_ref") and not contract.interpreting():
+    if (provider.startswith("xlnet_fast") or provider == "fa2_ref") and not contract.interpreting():
         return "needs CUDA (or Triton's interpreter)"
     return None
 

@@ -111,9 +111,10 @@ RERUN_SHARE, RERUN_MAX_S, FAILURE_TEXT_CHARS = 0.3, 120.0, 6000
 SWEEP_MODES = ("fwd", "fwd_bwd")
 # In the order they are measured at each shape: the headline comparison first, FlexAttention (the
 # slowest to compile: one graph per shape and mode) last, so a cut at the step's end costs it first.
-GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "hf", "xlnet_fast_det", "fa2_ref", "flex")
+GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "xlnet_fast_pointers", "hf", "xlnet_fast_det",
+                 "fa2_ref", "flex")
 # Profiled per kernel at each D's first point (the first GPU run's most telling measurement).
-PROFILED = ("xlnet_fast", "xlnet_fast_det", "fa2_ref")
+PROFILED = ("xlnet_fast", "xlnet_fast_pointers", "xlnet_fast_det", "fa2_ref")
 # what the H100's op table compared them with (our eager path: "unfused eager"), whatever the plan's providers
 ANOMALY_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "eager")
 # The ncu step: Nsight Compute (clocks left alone) on the attention kernels, ours and the FA2
@@ -222,8 +223,8 @@ PLANS = {
         pytest_k="head_dims_past_the_kernels_limit", pytest_workers=1,  # one fast test
         checks=((*_DRY_CHECK, (torch.bfloat16,), True),), config_check=_DRY_CHECK,
         sweep_D=(16,), sweep_points=((16, 8),), sweep_H=2, sweep_tokens=16, sweep_dtype="fp32",
-        providers=("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "hf", "eager", "xlnet_fast_det", "fa2_ref",
-                   "flex"),
+        providers=("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "xlnet_fast_pointers", "hf", "eager",
+                   "xlnet_fast_det", "fa2_ref", "flex"),
         models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
         model_repeats=1, infer_B=1, model_providers=("hf", "patched", "native"), memory_size="tiny",
         memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8, generation_lengths=(24,),

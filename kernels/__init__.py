@@ -7,6 +7,7 @@ The backend interface used by ``xlnet_fast.attention``: ``available()``, ``check
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -39,12 +40,13 @@ MAX_HEAD_DIM = 128
 # re-plans the shapes seen. Rows of DS start 16-element aligned.
 STORED_DS_BYTES = 2**31
 DS_ROW_ALIGN = 16
-# From this arch on the kernels read their key-side tiles through tensor descriptors (TMA: the copy
-# engine fills shared memory, no per-element addresses or registers; bench/NOTES.md, kernel v4 step
-# 4) where the tensors allow it (``_tma_loads``). The interpreter runs that path too (tests set
-# INTERPRETER_TMA False to run the pointer path of older GPUs and unaligned tensors).
+# From this arch on the forward and dQ kernels read their tiles through tensor descriptors (TMA: the
+# copy engine fills shared memory, no per-element addresses or registers; bench/NOTES.md, kernel v4
+# step 4) where the tensors allow it (``_tma_loads``). The interpreter runs that path too.
+# ``pointer_loads()`` turns it off: the path of older GPUs and unaligned tensors (tests; the
+# ``xlnet_fast_pointers`` benchmark provider, which times both paths on one GPU).
 TMA_ARCH = 90
-INTERPRETER_TMA = True
+TMA_LOADS = True
 
 
 @functools.cache
@@ -304,14 +306,13 @@ _ARCHS: dict = {}
 
 
 def _tma_loads(device, k, v, k_r) -> bool:
-    """Whether the kernels read k, v and k_r tiles through tensor descriptors: on sm_TMA_ARCH and
-    newer (and in the interpreter unless INTERPRETER_TMA is off), when each (batch row, head) slice
-    of all three starts 16-byte aligned with its rows a multiple of 16 bytes apart and unit last
-    stride (what TMA requires; k_r's batch stride is unused when it has one batch row)."""
-    if INTERPRETED:
-        if not INTERPRETER_TMA:
-            return False
-    else:
+    """Whether the kernels read k, v and k_r tiles through tensor descriptors: unless
+    ``pointer_loads()`` is on, on sm_TMA_ARCH and newer (and in the interpreter), when each (batch
+    row, head) slice of all three starts 16-byte aligned with its rows a multiple of 16 bytes apart
+    and unit last stride (what TMA requires; k_r's batch stride is unused when it has one batch row)."""
+    if not TMA_LOADS:
+        return False
+    if not INTERPRETED:
         arch = _k.compile_target()
         if arch is None:
             arch = _ARCHS.get(device.index)
@@ -325,6 +326,18 @@ def _tma_loads(device, k, v, k_r) -> bool:
         if strides[-1] != 1 or t.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:-1]):
             return False
     return True
+
+
+@contextlib.contextmanager
+def pointer_loads():
+    """Inside (the call and its backward), the kernels read every tile through pointers, as on
+    GPUs older than sm_TMA_ARCH."""
+    global TMA_LOADS
+    saved, TMA_LOADS = TMA_LOADS, False
+    try:
+        yield
+    finally:
+        TMA_LOADS = saved
 
 
 _STATIC: dict = {}
@@ -469,7 +482,7 @@ def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config
                 fn[grid](**kwargs, **candidate.all_kwargs())
             return {}
         if config is None and (deterministic or role not in _TUNED):
-            key = (role, plan["sizes"]["device"]) + tuple(kwargs.get(name) for name in _k.TUNE_KEY)
+            key = (role, plan["sizes"]["device"]) + tuple(kwargs.get(name) for name in _k.TUNE_KEY + ["TMA"])
             if key not in _FIXED_CONFIGS:
                 _FIXED_CONFIGS[key] = _k.first_launchable(role, fn, kwargs)
             config = _FIXED_CONFIGS[key]

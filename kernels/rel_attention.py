@@ -1193,9 +1193,10 @@ def _tuned(fn, role: str, key: list, **options):
 
 KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_kv_kernel, "dq": _bwd_q_kernel, "dkr": _bwd_kr_kernel,
            "fixup": _bwd_kv_kernel, "dq_recompute": _bwd_q_kernel, "dkr_recompute": _bwd_kr_kernel}
-fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY)
+fwd_kernel_tuned = _tuned(_fwd_kernel, "fwd", TUNE_KEY + ["TMA"])
 # tiles of another BLOCK_N write other entries of GP and PARTK: start each timing from zeros
 bwd_kv_kernel_tuned = _tuned(_bwd_kv_kernel, "dkdv", TUNE_KEY + ["STORE_DS"], reset_to_zero=["GP", "PARTK"])
-bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC", "FROM_DS"], reset_to_zero=["DKR", "PART"])
+bwd_q_kernel_tuned = _tuned(_bwd_q_kernel, "dq", TUNE_KEY + ["DKR_ATOMIC", "FROM_DS", "TMA"],
+                            reset_to_zero=["DKR", "PART"])
 # the deterministic dk_r kernel is not timed: deterministic mode runs every kernel at the first
 # candidate that launches (kernels.__init__._run)

@@ -158,7 +158,7 @@ def test_descriptor_and_pointer_loads_give_the_same_results(name, monkeypatch):
     found = {}
     try:
         for tma in (True, False):
-            monkeypatch.setattr(kernels, "INTERPRETER_TMA", tma)
+            monkeypatch.setattr(kernels, "TMA_LOADS", tma)
             kernels.clear_launches()
             assert_matches_eager(case, dout)
             assert tma_plans("fwd") == tma_plans("dq") == {tma}
@@ -176,7 +176,7 @@ def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
     stride does not count when it has one batch row."""
     from xlnet_fast import kernels
 
-    monkeypatch.setattr(kernels, "INTERPRETER_TMA", True)
+    monkeypatch.setattr(kernels, "TMA_LOADS", True)
     k = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
     k_r = torch.zeros(1, 16, 3, 64, dtype=torch.bfloat16)
     assert kernels._tma_loads(k.device, k, k, k_r)
@@ -190,8 +190,9 @@ def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
     head_dim_36 = torch.zeros(2, 8, 3, 36, dtype=torch.bfloat16)  # heads 72 bytes apart
     assert not kernels._tma_loads(k.device, head_dim_36, head_dim_36, torch.zeros(1, 16, 3, 36, dtype=torch.bfloat16))
     assert not kernels._tma_loads(k.device, k.transpose(1, 3), k, k_r)  # last stride not 1
-    monkeypatch.setattr(kernels, "INTERPRETER_TMA", False)
-    assert not kernels._tma_loads(k.device, k, k, k_r)
+    with kernels.pointer_loads():
+        assert not kernels._tma_loads(k.device, k, k, k_r)
+    assert kernels._tma_loads(k.device, k, k, k_r)
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     for arch, expected in ((80, False), (89, False), (90, True), (120, True)):
         with kernels._k.compiling_for(arch):
