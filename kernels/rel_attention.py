@@ -446,6 +446,10 @@ def _fwd_kernel(
     if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
         if BLOCK_M <= BLOCK_N:
             banded = True
+    # the position product's q_r from registers (wgmma's A operand there): triton leaves an operand
+    # loaded from memory in shared memory and reads it again at every product (2 B-eq/score); a value
+    # computed in registers it uses from there. The multiply by a runtime 1 (exact) is that value.
+    q_r = (query.q_r.to(tl.float32) * (keep_scale / keep_scale)).to(DOT_DTYPE)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -453,11 +457,11 @@ def _fwd_kernel(
     if banded:
         # 2. banded tiles: carry the lower half of each k_r window to the next key tile
         kr_lo = _rows(kr_src, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
-        raw_lo = tl.dot(query.q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+        raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
             kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
-            raw_hi = tl.dot(query.q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             # the content term accumulates onto the relative one: the window is dead by then
             bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
             s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
