@@ -289,28 +289,30 @@ def _aligned(*tensors) -> bool | tuple:
 
 def _shape(q, q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask) -> _Shape:
     segments = a.seg_embed is not None
+    keys = _geometry(k), _geometry(v), _geometry(k_r)
+    aligned = _aligned(q, q_g, k, v, k_r, mask, r_w_bias, r_r_bias, a.r_s_bias, a.seg_embed)
     return _Shape(
         q.device.index, q.dtype,
         (r_w_bias.dtype, r_r_bias.dtype, a.r_s_bias.dtype if segments else None, a.seg_embed.dtype if segments else None),
-        _geometry(q), _geometry(q_g), _geometry(k), _geometry(v), _geometry(k_r),
+        _geometry(q), _geometry(q_g), *keys,
         None if mask is None else (mask.stride(0), mask.stride(1)),
         a.qlen, a.scale, a.dropout_p,
         MASK_DENSE if mask is not None else MASK_RANKS if a.q_rank is not None else MASK_NONE,
         a.q_pos is None or a.rows_cover_qlen, q.dtype == torch.float32 and _input_precision(q.dtype) == "tf32",
-        _aligned(q, q_g, k, v, k_r, mask, r_w_bias, r_r_bias, a.r_s_bias, a.seg_embed),
-        _tma_loads(q.device, k, v, k_r),
+        aligned, _tma_loads(q.device, k.element_size(), aligned is True or all(aligned[2:5]), *keys),
         (_k.INTERPRETER_TILES["BLOCK_M"], _k.INTERPRETER_TILES["BLOCK_N"]) if INTERPRETED else None)
 
 
 _ARCHS: dict = {}
 
 
-def _tma_loads(device, k, v, k_r) -> bool:
+def _tma_loads(device, itemsize: int, aligned: bool, *geometries) -> bool:
     """Whether the kernels read k, v and k_r tiles through tensor descriptors: unless
     ``pointer_loads()`` is on, on sm_TMA_ARCH and newer (and in the interpreter), when each (batch
-    row, head) slice of all three starts 16-byte aligned with its rows a multiple of 16 bytes apart
-    and unit last stride (what TMA requires; k_r's batch stride is unused when it has one batch row)."""
-    if not TMA_LOADS:
+    row, head) slice of all three starts 16-byte aligned (``aligned``: the tensors do) with its rows
+    a multiple of 16 bytes apart and unit last stride (what TMA requires). ``geometries``: k's, v's
+    and k_r's ``_geometry``, of ``itemsize``-byte elements."""
+    if not TMA_LOADS or not aligned:
         return False
     if not INTERPRETED:
         arch = _k.compile_target()
@@ -320,10 +322,16 @@ def _tma_loads(device, k, v, k_r) -> bool:
                 arch = _ARCHS[device.index] = _k._device_arch(device)
         if arch < TMA_ARCH:
             return False
-    for t in (k, v, k_r):
-        size = t.element_size()
-        strides = t.stride()[1:] if t is k_r and t.shape[0] == 1 else t.stride()
-        if strides[-1] != 1 or t.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:-1]):
+    return _tma_strides(itemsize, geometries)
+
+
+@functools.cache
+def _tma_strides(itemsize: int, geometries: tuple) -> bool:
+    """``_tma_loads``' stride rule, per call shape (k_r's batch stride is unused when it has one
+    batch row)."""
+    for i, (batch, *_, stride_b, stride_n, stride_h, stride_d) in enumerate(geometries):
+        strides = (stride_n, stride_h) if i == 2 and batch == 1 else (stride_b, stride_n, stride_h)
+        if stride_d != 1 or any(stride * itemsize % 16 for stride in strides):
             return False
     return True
 

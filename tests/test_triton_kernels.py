@@ -176,27 +176,30 @@ def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
     stride does not count when it has one batch row."""
     from xlnet_fast import kernels
 
-    monkeypatch.setattr(kernels, "TMA_LOADS", True)
+    def tma(k, v, k_r):
+        aligned = all(t.data_ptr() % 16 == 0 for t in (k, v, k_r))
+        return kernels._tma_loads(k.device, k.element_size(), aligned, *map(kernels._geometry, (k, v, k_r)))
+
     k = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
     k_r = torch.zeros(1, 16, 3, 64, dtype=torch.bfloat16)
-    assert kernels._tma_loads(k.device, k, k, k_r)
+    assert tma(k, k, k_r)
     odd = (16 * 3 * 64 + 1, 3 * 64, 64, 1)  # batch rows 2 bytes past a multiple of 16 apart
     one_row = torch.zeros(16 * 3 * 64, dtype=torch.bfloat16).as_strided((1, 16, 3, 64), odd)
-    assert kernels._tma_loads(k.device, k, k, one_row)  # one batch row: its stride is never used
+    assert tma(k, k, one_row)  # one batch row: its stride is never used
     two_rows = torch.zeros(2 * odd[0], dtype=torch.bfloat16).as_strided((2, 16, 3, 64), odd)
-    assert not kernels._tma_loads(k.device, k, k, two_rows)
+    assert not tma(k, k, two_rows)
     misaligned = torch.zeros(2 * 8 * 3 * 64 + 4, dtype=torch.bfloat16)[4:].view(2, 8, 3, 64)
-    assert not kernels._tma_loads(k.device, misaligned, k, k_r)
+    assert not tma(misaligned, k, k_r)
     head_dim_36 = torch.zeros(2, 8, 3, 36, dtype=torch.bfloat16)  # heads 72 bytes apart
-    assert not kernels._tma_loads(k.device, head_dim_36, head_dim_36, torch.zeros(1, 16, 3, 36, dtype=torch.bfloat16))
-    assert not kernels._tma_loads(k.device, k.transpose(1, 3), k, k_r)  # last stride not 1
+    assert not tma(head_dim_36, head_dim_36, torch.zeros(1, 16, 3, 36, dtype=torch.bfloat16))
+    assert not tma(k.transpose(1, 3), k, k_r)  # last stride not 1
     with kernels.pointer_loads():
-        assert not kernels._tma_loads(k.device, k, k, k_r)
-    assert kernels._tma_loads(k.device, k, k, k_r)
+        assert not tma(k, k, k_r)
+    assert tma(k, k, k_r)
     monkeypatch.setattr(kernels, "INTERPRETED", False)
     for arch, expected in ((80, False), (89, False), (90, True), (120, True)):
         with kernels._k.compiling_for(arch):
-            assert kernels._tma_loads(k.device, k, k, k_r) is expected
+            assert tma(k, k, k_r) is expected
 
 
 @pytest.mark.parametrize("b_step", [2, 32])
