@@ -266,7 +266,8 @@ class _Shape(NamedTuple):
     banded_only: bool
     tf32: bool
     aligned: bool | tuple
-    tma: bool  # key-side tiles through tensor descriptors (``_tma_loads``)
+    arch: int | None  # what the call compiles for (``_call_arch``)
+    tma: bool  # tiles through tensor descriptors (``_tma_loads``)
     tiles: tuple | None  # the interpreter's tile sizes (tests change them), which size the tables
     grads: tuple | None = None  # backward: dO's and dO_g's shapes and strides, alignment, deterministic
 
@@ -291,6 +292,7 @@ def _shape(q, q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask) -> _Shape:
     segments = a.seg_embed is not None
     keys = _geometry(k), _geometry(v), _geometry(k_r)
     aligned = _aligned(q, q_g, k, v, k_r, mask, r_w_bias, r_r_bias, a.r_s_bias, a.seg_embed)
+    arch = _call_arch(q.device)
     return _Shape(
         q.device.index, q.dtype,
         (r_w_bias.dtype, r_r_bias.dtype, a.r_s_bias.dtype if segments else None, a.seg_embed.dtype if segments else None),
@@ -299,29 +301,34 @@ def _shape(q, q_g, k, v, k_r, r_w_bias, r_r_bias, a, mask) -> _Shape:
         a.qlen, a.scale, a.dropout_p,
         MASK_DENSE if mask is not None else MASK_RANKS if a.q_rank is not None else MASK_NONE,
         a.q_pos is None or a.rows_cover_qlen, q.dtype == torch.float32 and _input_precision(q.dtype) == "tf32",
-        aligned, _tma_loads(q.device, k.element_size(), aligned is True or all(aligned[2:5]), *keys),
+        aligned, arch, _tma_loads(arch, k.element_size(), aligned is True or all(aligned[2:5]), *keys),
         (_k.INTERPRETER_TILES["BLOCK_M"], _k.INTERPRETER_TILES["BLOCK_N"]) if INTERPRETED else None)
 
 
 _ARCHS: dict = {}
 
 
-def _tma_loads(device, itemsize: int, aligned: bool, *geometries) -> bool:
+def _call_arch(device) -> int | None:
+    """The arch a call's kernels compile for: the compile report's (``compiling_for``), else the
+    device's (looked up once per device); None in the interpreter."""
+    if INTERPRETED:
+        return None
+    arch = _k.compile_target()
+    if arch is None:
+        arch = _ARCHS.get(device.index)
+        if arch is None:
+            arch = _ARCHS[device.index] = _k._device_arch(device)
+    return arch
+
+
+def _tma_loads(arch: int | None, itemsize: int, aligned: bool, *geometries) -> bool:
     """Whether the kernels read k, v and k_r tiles through tensor descriptors: unless
     ``pointer_loads()`` is on, on sm_TMA_ARCH and newer (and in the interpreter), when each (batch
     row, head) slice of all three starts 16-byte aligned (``aligned``: the tensors do) with its rows
     a multiple of 16 bytes apart and unit last stride (what TMA requires). ``geometries``: k's, v's
     and k_r's ``_geometry``, of ``itemsize``-byte elements."""
-    if not TMA_LOADS or not aligned:
+    if not TMA_LOADS or not aligned or (arch is not None and arch < TMA_ARCH):
         return False
-    if not INTERPRETED:
-        arch = _k.compile_target()
-        if arch is None:
-            arch = _ARCHS.get(device.index)
-            if arch is None:
-                arch = _ARCHS[device.index] = _k._device_arch(device)
-        if arch < TMA_ARCH:
-            return False
     return _tma_strides(itemsize, geometries)
 
 
@@ -387,7 +394,10 @@ def _static_args(shape: _Shape) -> dict:
                    device=shape.device),
         qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
         fwd=dict(attn, TMA=shape.tma, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0],
-                 stride_om=out_strides[1], stride_oh=out_strides[2]),
+                 stride_om=out_strides[1], stride_oh=out_strides[2],
+                 # q_r from registers pays on wgmma (sm_90) only: on mma.sync it cost sm_120's and sm_80's
+                 # forward registers and spills (bench/NOTES.md, kernel v4 step 4)
+                 Q_R_REGISTERS=shape.arch is None or _k.arch_family(shape.arch) == 90),
         dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False),
         dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
                 ds_pitch=0, FROM_DS=False, TMA=shape.tma, n_dkr_rows=dkr_rows,

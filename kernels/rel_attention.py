@@ -415,7 +415,7 @@ def _fwd_kernel(
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, Q_R_REGISTERS: tl.constexpr = False,
 ):
     """One query tile of one (batch row, head): OUT (B, M, H, D) at the caller's rows, scaled by
     ``keep_scale`` (dropout's 1 / (1 - rate)), and LSE (B, H, M) the natural-log log-sum-exp of the
@@ -446,10 +446,12 @@ def _fwd_kernel(
     if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
         if BLOCK_M <= BLOCK_N:
             banded = True
-    # the position product's q_r from registers (wgmma's A operand there): triton leaves an operand
-    # loaded from memory in shared memory and reads it again at every product (2 B-eq/score); a value
-    # computed in registers it uses from there. The multiply by a runtime 1 (exact) is that value.
-    q_r = (query.q_r.to(tl.float32) * (keep_scale / keep_scale)).to(DOT_DTYPE)
+    q_r = query.q_r
+    if Q_R_REGISTERS:
+        # the position product's q_r from registers (wgmma's A operand there): triton leaves an operand
+        # loaded from memory in shared memory and reads it again at every product (2 B-eq/score); a
+        # value computed in registers it uses from there. The multiply by a runtime 1 (exact) is that value.
+        q_r = (q_r.to(tl.float32) * (keep_scale / keep_scale)).to(DOT_DTYPE)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)

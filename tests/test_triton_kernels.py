@@ -178,7 +178,8 @@ def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
 
     def tma(k, v, k_r):
         aligned = all(t.data_ptr() % 16 == 0 for t in (k, v, k_r))
-        return kernels._tma_loads(k.device, k.element_size(), aligned, *map(kernels._geometry, (k, v, k_r)))
+        arch = kernels._call_arch(k.device)
+        return kernels._tma_loads(arch, k.element_size(), aligned, *map(kernels._geometry, (k, v, k_r)))
 
     k = torch.zeros(2, 8, 3, 64, dtype=torch.bfloat16)
     k_r = torch.zeros(1, 16, 3, 64, dtype=torch.bfloat16)
