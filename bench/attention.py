@@ -10,7 +10,7 @@ with ``torch.use_deterministic_algorithms(True)``: dk_r by a kernel that owns ea
 atomics; forward+backward only), ``xlnet_fast_prepared`` (the same op with its masks prepared
 once outside the timed call, ``masks=``, as a model's layers call it: ``xlnet_fast`` prepares them
 in every call), ``xlnet_fast_pointers`` (``xlnet_fast_prepared`` with every tile read through
-pointers, as on GPUs before sm_90: against it, what the tensor descriptors bring), ``eager`` (the
+pointers, as on GPUs other than Hopper: against it, what the tensor descriptors bring), ``eager`` (the
 op, eager backend), ``hf`` (transformers'
 ``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it),
 ``flex`` (PyTorch FlexAttention as a user writes XLNet attention with it: ``bd = (q + r_r_bias) @ k_rᵀ``

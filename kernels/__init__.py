@@ -40,12 +40,14 @@ MAX_HEAD_DIM = 128
 # re-plans the shapes seen. Rows of DS start 16-element aligned.
 STORED_DS_BYTES = 2**31
 DS_ROW_ALIGN = 16
-# From this arch on the forward and dQ kernels read their tiles through tensor descriptors (TMA: the
-# copy engine fills shared memory, no per-element addresses or registers; bench/NOTES.md, kernel v4
-# step 4) where the tensors allow it (``_tma_loads``). The interpreter runs that path too.
-# ``pointer_loads()`` turns it off: the path of older GPUs and unaligned tensors (tests; the
+# On these arch families (Hopper) the forward and dQ kernels read their tiles through tensor
+# descriptors (TMA: the copy engine fills shared memory, no per-element addresses or registers;
+# bench/NOTES.md, kernel v4 step 4) where the tensors allow it (``_tma_loads``). The interpreter
+# runs that path too. Not sm_100 (triton 3.6 fails to compile dQ's 64x64w8s2 with them) nor
+# sm_120 (its 64x64 forward spills with dropout: issue 20's best build falls to 32x64, 1.42x).
+# ``pointer_loads()`` turns it off: the path of other GPUs and unaligned tensors (tests; the
 # ``xlnet_fast_pointers`` benchmark provider, which times both paths on one GPU).
-TMA_ARCH = 90
+TMA_ARCH_FAMILIES = (90,)
 TMA_LOADS = True
 
 
@@ -323,11 +325,11 @@ def _call_arch(device) -> int | None:
 
 def _tma_loads(arch: int | None, itemsize: int, aligned: bool, *geometries) -> bool:
     """Whether the kernels read k, v and k_r tiles through tensor descriptors: unless
-    ``pointer_loads()`` is on, on sm_TMA_ARCH and newer (and in the interpreter), when each (batch
+    ``pointer_loads()`` is on, on TMA_ARCH_FAMILIES (and in the interpreter), when each (batch
     row, head) slice of all three starts 16-byte aligned (``aligned``: the tensors do) with its rows
     a multiple of 16 bytes apart and unit last stride (what TMA requires). ``geometries``: k's, v's
     and k_r's ``_geometry``, of ``itemsize``-byte elements."""
-    if not TMA_LOADS or not aligned or (arch is not None and arch < TMA_ARCH):
+    if not TMA_LOADS or not aligned or (arch is not None and _k.arch_family(arch) not in TMA_ARCH_FAMILIES):
         return False
     return _tma_strides(itemsize, geometries)
 
@@ -346,7 +348,7 @@ def _tma_strides(itemsize: int, geometries: tuple) -> bool:
 @contextlib.contextmanager
 def pointer_loads():
     """Inside (the call and its backward), the kernels read every tile through pointers, as on
-    GPUs older than sm_TMA_ARCH."""
+    GPUs outside TMA_ARCH_FAMILIES."""
     global TMA_LOADS
     saved, TMA_LOADS = TMA_LOADS, False
     try:

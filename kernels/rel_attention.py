@@ -38,7 +38,7 @@ mostly idle, launch: ``FIX_UP``).
 ``deterministic=True`` replaces the dk_r atomics by a kernel that owns a tile of k_r rows. Where
 the launcher keeps dS (``STORED_DS_BYTES``), the dK/dV kernel stores it and the dQ and dk_r
 kernels read it instead of recomputing the scores.
-Tiles come through pointers, or with ``TMA`` (the launcher's choice: sm_90 and newer, aligned
+Tiles come through pointers, or with ``TMA`` (the launcher's choice: Hopper, aligned
 tensors) through tensor descriptors built per program (``_row_source``): the forward's k, v, k_r,
 the dQ kernel's k, k_r and stored dS, and its dk_r sums as TMA reductions (``TMA_REDUCE``).
 """

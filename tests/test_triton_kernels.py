@@ -172,8 +172,8 @@ def test_descriptor_and_pointer_loads_give_the_same_results(name, monkeypatch):
 
 def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
     """``_tma_loads``: descriptors need every (batch row, head) slice of k, v and k_r 16-byte aligned,
-    rows a multiple of 16 bytes apart, unit last stride, and a GPU of sm_90 or newer; k_r's batch
-    stride does not count when it has one batch row."""
+    rows a multiple of 16 bytes apart, unit last stride, and a Hopper GPU (sm_100 and sm_120 read
+    through pointers); k_r's batch stride does not count when it has one batch row."""
     from xlnet_fast import kernels
 
     def tma(k, v, k_r):
@@ -198,7 +198,7 @@ def test_descriptors_only_where_tma_reads_the_tensors(monkeypatch):
         assert not tma(k, k, k_r)
     assert tma(k, k, k_r)
     monkeypatch.setattr(kernels, "INTERPRETED", False)
-    for arch, expected in ((80, False), (89, False), (90, True), (120, True)):
+    for arch, expected in ((80, False), (89, False), (90, True), (100, False), (120, False)):
         with kernels._k.compiling_for(arch):
             assert tma(k, k, k_r) is expected
 
