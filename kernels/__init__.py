@@ -22,6 +22,7 @@ from .contract import (E_FIELDS, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_
 _IMPORT_ERROR: str | None = None
 try:
     import triton
+    from triton.runtime import _allocation as _triton_allocation
 
     from . import operands as _operands
     from . import rel_attention as _k
@@ -466,9 +467,7 @@ def _ensure_scratch_allocator() -> None:
     """Kernels that build tensor descriptors need triton's allocator for their scratch at every
     launch. Set ours where none is (triton's default raises); one set by the caller is kept. It is
     per thread (a context variable): autograd runs the backward on a thread of its own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if isinstance(_triton_allocation._allocator.get(), _triton_allocation.NullAllocator):
         triton.set_allocator(_scratch)
 
 
