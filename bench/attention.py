@@ -346,20 +346,22 @@ def _cpu_plan(plan: list) -> int | None:
     return None
 
 
-# FlexAttention's largest (B, H, M, R) position-score table measured: at L=4096, B=4 (2.3e9
-# elements) it ran; at L=16384, B=1 (8.7e9) its forward hit an illegal memory access that lost the
-# CUDA context (H200, torch 2.11, 2026-11-26), so larger tables are skipped.
-FLEX_MAX_POSITION_SCORES = 2**32
+# FlexAttention's largest (B, H, M, R) position-score table measured, per mode: at L=4096, B=4 (2.3e9
+# elements) its forward ran; at L=16384, B=1 (8.7e9) its forward hit an illegal memory access that
+# lost the CUDA context (H200, torch 2.11, 2026-11-26). Its backward at L=4096, B=4 did the same in
+# one of inductor's own pointwise kernels over the 2.25e9-element table (past int32 indexing; H200,
+# 2026-11-27), losing the rest of that sweep: larger tables are skipped.
+FLEX_MAX_POSITION_SCORES = {"fwd": 2**32, "fwd_bwd": 2**31}
 
 
 def unavailable(provider: str, mode: str, device: str, case: cases.AttentionCase | None = None) -> str | None:
     """Why ``provider`` cannot run in ``mode`` on ``case`` here, or None (on CPU the Triton providers
     need Triton's interpreter)."""
     if provider == "flex" and case is not None:
-        scores = case.B * case.H * case.qlen * case.rlen
-        if scores > FLEX_MAX_POSITION_SCORES:
-            return (f"its (B, H, M, R) position scores ({scores:.2g} elements) exceed the {FLEX_MAX_POSITION_SCORES:.2g} "
-                    "measured to run (more crashed the CUDA context)")
+        scores, limit = case.B * case.H * case.qlen * case.rlen, FLEX_MAX_POSITION_SCORES[mode]
+        if scores > limit:
+            return (f"its (B, H, M, R) position scores ({scores:.2g} elements) exceed the {limit:.2g} measured "
+                    f"to run in {mode} (more crashed the CUDA context)")
     if device == "cuda":
         return None
     if provider == "sdpa_flash":

@@ -43,10 +43,13 @@ def test_flex_provider_computes_xlnet_attention(extra):
 
 def test_flex_is_skipped_past_the_position_score_table_measured_to_run():
     """Regression (first GPU run): FlexAttention at L=16384 (an 8.7e9-element position-score table)
-    hit an illegal memory access that lost the CUDA context for the rest of the sweep."""
+    hit an illegal memory access that lost the CUDA context for the rest of the sweep; its backward
+    did the same at L=4096, B=4 (2.25e9 elements, H200, 2026-11-27), where its forward runs."""
     largest_run = cases.AttentionCase(B=4, H=16, qlen=4096, mlen=384, D=64)
     crashed = cases.AttentionCase(B=1, H=16, qlen=16384, mlen=384, D=64)
     assert attention.unavailable("flex", "fwd", "cuda", largest_run) is None
+    assert "in fwd_bwd" in attention.unavailable("flex", "fwd_bwd", "cuda", largest_run)
+    assert attention.unavailable("flex", "fwd_bwd", "cuda", cases.AttentionCase(B=8, H=16, qlen=2048, mlen=384, D=64)) is None
     assert "position scores" in attention.unavailable("flex", "fwd_bwd", "cuda", crashed)
     assert attention.unavailable("xlnet_fast", "fwd", "cuda", crashed) is None
 

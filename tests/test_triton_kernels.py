@@ -150,7 +150,10 @@ def tma_plans(role: str) -> set:
 def test_descriptor_and_pointer_loads_give_the_same_results(name, monkeypatch):
     """From sm_90 on the forward and the dQ kernel read k, v, k_r (and the stored dS) through tensor
     descriptors (TMA), older GPUs and unaligned tensors through pointers: both paths against the
-    float64 eager path, and against each other (the same products in the same order)."""
+    float64 eager path (dk_r by atomics, on a GPU TMA reductions on the descriptor path), and
+    against each other in deterministic mode: there both paths run the same fixed configs with the
+    same products in the same order. (Autotuned, each path tunes apart and may pick other tiles, and
+    on a GPU atomics add in any order: the H200 failed the comparison that way, 2026-11-27.)"""
     from xlnet_fast import kernels
 
     case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
@@ -162,7 +165,13 @@ def test_descriptor_and_pointer_loads_give_the_same_results(name, monkeypatch):
             kernels.clear_launches()
             assert_matches_eager(case, dout)
             assert tma_plans("fwd") == tma_plans("dq") == {tma}
-            found[tma] = grads(triton_attention, case, dout)
+            was_deterministic = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                found[tma] = grads(triton_attention, case, dout)
+            finally:
+                torch.use_deterministic_algorithms(was_deterministic)
+            assert tma_plans("fwd") == tma_plans("dq") == {tma}
     finally:
         kernels.clear_launches()
     (out_t, g_t), (out_p, g_p) = found[True], found[False]
