@@ -263,29 +263,14 @@ def profile_once(step, device: str) -> None:
 
 def kernel_times(inputs: cases.OpCall, provider: str, mode: str, calls: int = 3) -> dict:
     """Where ``provider``'s time goes on CUDA: the GPU time per call of each kernel it launches
-    (``torch.profiler`` over ``calls`` calls after a warm-up), the largest first, and in all."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step = provider_fn(provider, inputs, mode)
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    kernels = []
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if us > 0:
-            kernels.append({"kernel": event.key[:80], "ms_per_call": us / 1e3 / calls,
-                            "launches_per_call": event.count / calls})
-    kernels.sort(key=lambda k: -k["ms_per_call"])
-    shown, rest = kernels[:KERNEL_ROWS], kernels[KERNEL_ROWS:]
+    (``runner.gpu_profile`` over ``calls`` calls after a warm-up), the largest first, and in all."""
+    found = runner.gpu_profile(provider_fn(provider, inputs, mode), calls)
+    shown, rest = found["kernels"][:KERNEL_ROWS], found["kernels"][KERNEL_ROWS:]
     if rest:
         shown.append({"kernel": f"other kernels ({len(rest)})", "ms_per_call": sum(k["ms_per_call"] for k in rest),
                       "launches_per_call": sum(k["launches_per_call"] for k in rest)})
-    return {"kernels": shown, "gpu_ms_per_call": sum(k["ms_per_call"] for k in kernels),
-            "launches_per_call": sum(k["launches_per_call"] for k in kernels)}
+    return {"kernels": shown, "gpu_ms_per_call": found["gpu_ms_per_call"],
+            "launches_per_call": found["launches_per_call"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

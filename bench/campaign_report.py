@@ -252,6 +252,7 @@ def model_section(records) -> list:
             ok = r["status"] == "ok"
             rows.append([case, mode, r.get("n_layer", "–"), r.get("B"), r.get("L"), r.get("mlen"), r.get("num_predict"),
                          prov, f"{r['tokens_per_s']:,.0f}" if ok else "OOM", _fmt(r["ms"] if ok else None, 4),
+                         _fmt(r.get("gpu_ms"), 4), _fmt(r.get("host_waits"), 3),
                          f"{r['peak_mem_mb'] / 1024:.1f}" if r.get("peak_mem_mb") else "–",
                          f"{r['mfu']:.1%}" if r.get("mfu") else "–",
                          _fmt(_ratio(_ms(hf), r["ms"]) if ok else None, 3),
@@ -259,7 +260,7 @@ def model_section(records) -> list:
     if not rows:
         return ["No model-level measurement."]
     return _table(["model", "mode", "layers", "B", "seq", "mem", "targets", "provider", "tokens/s", "ms/step",
-                   "peak GiB", "MFU", "speedup vs hf", "memory vs hf"], rows)
+                   "GPU ms/step", "host waits", "peak GiB", "MFU", "speedup vs hf", "memory vs hf"], rows)
 
 
 def memory_section(records) -> list:

@@ -138,17 +138,24 @@ def measure(mode: str, provider: str, case: cases.ModelCase, model, batch: dict,
     step = train_step(provider, model, batch, device) if mode == "train" else infer_step(provider, model, batch, device)
     ms, peak = time_step(step, device, repeats)
     ok = ms != runner.OOM
+    # on CUDA, one more step under the profiler: the GPU's busy time and the host's waits beside the
+    # wall time say whether the step waits on the GPU or on the host
+    profiled = runner.gpu_profile(step) if ok and device == "cuda" else {}
     tps = B * case.seq / (ms / 1e3) if ok else None
     peak_tflops, _ = flops.device_peak_tflops(torch.device(device))
     mfu = step_flops(case, mode, B) / (ms / 1e3) / (peak_tflops * 1e12) if ok and peak_tflops else None
     dims, mlen = case.dims, case.mlen if mode == "train" else 0
     print(f"{mode:5} {case.size} ({dims['n_layer']} layers) B={B} seq={case.seq} mem={mlen} {provider:16} "
           + ("OOM" if not ok else f"{ms:9.1f} ms {tps:10,.0f} tokens/s")
-          + (f" peak {peak:,.0f} MiB" if peak is not None else "") + (f" MFU {mfu:.1%}" if mfu else ""), flush=True)
+          + (f" peak {peak:,.0f} MiB" if peak is not None else "") + (f" MFU {mfu:.1%}" if mfu else "")
+          + (f" GPU {profiled['gpu_ms_per_call']:.1f} ms in {profiled['launches_per_call']:,.0f} launches, "
+             f"{profiled['host_waits_per_call']} host waits" if profiled else ""), flush=True)
     return {"op": "model_step", "status": "ok" if ok else "oom", "mode": mode, "provider": provider,
             "dtype": "bf16" if device == "cuda" else "fp32", "config": case.size, "n_layer": dims["n_layer"], "B": B,
             "H": dims["n_head"], "L": case.seq, "mlen": mlen, "num_predict": case.predict if mode == "train" else 0,
-            "ms": ms, "tokens_per_s": tps, "peak_mem_mb": peak, "mfu": mfu}
+            "ms": ms, "tokens_per_s": tps, "peak_mem_mb": peak, "mfu": mfu,
+            "gpu_ms": profiled.get("gpu_ms_per_call"), "launches": profiled.get("launches_per_call"),
+            "host_waits": profiled.get("host_waits_per_call")}
 
 
 def measure_provider(provider: str, case: cases.ModelCase, source, batches: dict, device: str, repeats: int,

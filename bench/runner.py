@@ -207,6 +207,40 @@ class PeakMemory:
         return False
 
 
+# CUDA runtime calls in which the host waits for the GPU (a tensor read such as ``.item()`` is a copy
+# and one of these)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def gpu_profile(step: Callable, calls: int = 1) -> dict:
+    """Where ``step``'s time goes on CUDA (``torch.profiler`` over ``calls`` calls after one warm-up):
+    ``kernels`` ([{kernel, ms_per_call, launches_per_call}], the largest first), ``gpu_ms_per_call``
+    (the kernels' GPU time: against the wall time, how much of it the GPU was busy),
+    ``launches_per_call`` and ``host_waits_per_call`` (``HOST_WAITS`` calls; the profile's own
+    closing synchronize not counted; None when the profiler recorded no runtime call, not even that
+    one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels, and the runtime calls (CUPTI)
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    kernels, waits = [], -1  # the closing synchronize above
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels.append({"kernel": event.key[:80], "ms_per_call": us / 1e3 / calls,
+                            "launches_per_call": event.count / calls})
+        elif event.key in HOST_WAITS:
+            waits += event.count
+    kernels.sort(key=lambda k: -k["ms_per_call"])
+    return {"kernels": kernels, "gpu_ms_per_call": sum(k["ms_per_call"] for k in kernels),
+            "launches_per_call": sum(k["launches_per_call"] for k in kernels),
+            "host_waits_per_call": waits / calls if waits >= 0 else None}
+
+
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool = True):
     """``torch.use_deterministic_algorithms(enabled, warn_only=True)`` inside, the previous setting

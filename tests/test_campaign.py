@@ -417,6 +417,8 @@ def _gpu_like_records():
         attn("flex", "fwd_bwd", 6.0), attn("xlnet_fast", "fwd", 1.0), attn("sdpa_flash", "fwd", 0.4),
         attn("hf", "fwd", 8.0), attn("flex", "fwd", "OOM", status="oom"),
         step("xlnet_fast", 100.0, 40960.0, 10240.0), step("hf", 300.0, 13653.0, 20480.0),
+        {**step("native-compiled", 50.0, 81920.0, 10240.0), "step": "model_step", "op": "model_step",
+         "mode": "train", "gpu_ms": 45.5, "launches": 2000.0, "host_waits": 0.0},
     ]
 
 
@@ -441,7 +443,9 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     assert "| 32×16 | 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
     assert "| 8×12 | 512 | 384 | 64 | fwd+bwd | 1 | 0.75 | – | – | 1.33 | – |" in readme
     # the older bench.pretrain_step's records read as training steps (its xlnet_fast is today's native)
-    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | 10.0 | – | 3 | 0.5 |" in readme
+    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | – | – | 10.0 | – | 3 | 0.5 |" in readme
+    # a model step profiled on the GPU: its kernels' time and the host's waits beside the wall time
+    assert "| native-compiled | 81,920 | 50 | 45.5 | 0 | 10.0 | – | 6 | 0.5 |" in readme
     assert sorted(p.name for p in out.iterdir()) == ["attention.png", "model_step.png", "summary.md"]
     assert campaign.main(["--report", str(path), "--out", str(out)]) == 2  # never over another report
     assert campaign.main(["--report", str(tmp_path / "missing.jsonl")]) == 2
