@@ -167,8 +167,9 @@ class Plan:
     sweep_dtype: str = "bf16"
     # shapes off the sweep's grid, (B, H, qlen, mlen, D), timed (ours, SDPA-flash, eager) and ours
     # profiled right after the first point of the same D: issue 33's op target (fwd+bwd at 8x12,
-    # 512/384 within 4x SDPA-flash), then the H100's two anomalies (issue 34, item 4) as it measured them
-    op_target_shapes: tuple = ((8, 12, 512, 384, 64),)
+    # 512/384 within 4x SDPA-flash) and issue 34's long one (1x16 at 8192/0 within 3x, off the
+    # sweep's grid), then the H100's two anomalies (issue 34, item 4) as it measured them
+    op_target_shapes: tuple = ((8, 12, 512, 384, 64), (1, 16, 8192, 0, 64))
     anomaly_shapes: tuple = ((2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128))
     providers: tuple = GPU_PROVIDERS
     models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),

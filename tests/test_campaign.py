@@ -535,10 +535,10 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
         expected += [(c, "xlnet_fast") for c in d_cases[1:]]
     assert [(items[i][1], items[i][3]) for i in profiled] == expected
     assert second in [items[i][1] for i in profiled]
-    # issue 33's op target, then the H100's two anomalies (issue 34 item 4), timed against SDPA-flash
-    # and eager as it measured them
+    # issue 33's op target and issue 34's long one, then the H100's two anomalies (issue 34 item 4),
+    # timed against SDPA-flash and eager as it measured them
     extras = [(c.B, c.H, c.qlen, c.mlen, c.D) for D in full.sweep_D for c in full.extra_cases(D)]
-    assert extras == [(8, 12, 512, 384, 64), (2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128)]
+    assert extras == [(8, 12, 512, 384, 64), (1, 16, 8192, 0, 64), (2, 16, 2048, 0, 64), (4, 8, 1024, 0, 128)]
     for case in (c for D in full.sweep_D for c in full.extra_cases(D)):
         assert {(m, p) for kind, c, m, p in items if kind == "time" and c == case} == {
             (m, p) for m in campaign.SWEEP_MODES for p in campaign.ANOMALY_PROVIDERS}
