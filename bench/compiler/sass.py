@@ -789,6 +789,14 @@ def _smem_access(state: _Threads, op: PtxOp, active) -> dict | None:
         a_desc = op.args[1].startswith("%rd")
         size = len(threads) * ((m * 32 if a_desc else 0) + n * 32)
         return {"kind": "mma", "bytes": size, "wavefronts": size // 128, "unresolved": False}
+    if name == "mbarrier" and "expect_tx" in parts:
+        # A TMA copy (cp.async.bulk.tensor) fills shared memory without a lane address to follow, but
+        # the thread that issues it first tells the barrier how many bytes will land: the fill's
+        # size. Its writes take the shared-memory pipe like any store, counted conflict-free (the
+        # swizzled layouts TMA writes are built for that); the H200 showed them costing (bench/NOTES.md,
+        # "H200 after kernel v4 step 4").
+        size = len(threads) * int(op.args[-1], 0)
+        return {"kind": "tma", "bytes": size, "wavefronts": -(-size // 128), "unresolved": False}
     if name in ("ldmatrix", "stmatrix"):
         count = int(next(p for p in parts if p.startswith("x"))[1:])
         where = op.args[1] if name == "ldmatrix" else op.args[0]
