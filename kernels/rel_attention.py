@@ -835,7 +835,13 @@ def _bwd_q_kernel(
         # loop: a (BLOCK_N, D) tile of them is 16 registers a thread at D=128 (sm_80 32x32w4s1: 664 ->
         # 392 B of spill, 3 inst/score fewer; sm_90 176 -> 128 B, 2.6 more). Not on larger tiles: the
         # second load's pipeline buffer took sm_100's 64x64w8s2 past its shared memory (197 -> 246 KB)
-        RELOAD_KR: tl.constexpr = CARRY_PRODUCT and HEAD_DIM > 64
+        # Reading dS through descriptors past D=64, the lower half is read again too (a TMA fill)
+        # instead of carried: a tile the copy engine put in shared memory and the loop carries in
+        # registers goes back to shared memory as the next product's operand, and holds its registers
+        # (sm_90 D=128 64x64w4s2: 460 -> 224 B of spill, 62 instead of 70 B-eq/score; 32x64w4s1 spill-
+        # free on wgmma). At D=64 the extra pipeline buffer (74 -> 82 KB) costs 64x64w4s2r168 its third
+        # block, the H200's fastest dQ (bench/NOTES.md, "dQ reads k_r again")
+        RELOAD_KR: tl.constexpr = (CARRY_PRODUCT or (FROM_DS and TMA)) and HEAD_DIM > 64
         if CARRY_PRODUCT:
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
@@ -844,8 +850,9 @@ def _bwd_q_kernel(
                                             BLOCK_N - lag[:, None], 2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
-            kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM,
-                          TMA).to(DOT_DTYPE)
+            if not (FROM_DS and RELOAD_KR):  # reading dS, the upper half is only carried
+                kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM,
+                              TMA).to(DOT_DTYPE)
             if RELOAD_KR:
                 kr_lo = _rows(kr_src, stride_rr, qlen + n0 - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
             if FROM_DS:

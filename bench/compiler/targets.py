@@ -92,7 +92,6 @@ SHORTFALLS: dict = {
         (80, 128, "dkdv"): {"dropout": 1.4},
         (90, 64, "dkdv"): {"ratio": 3.45},  # measured 3.41
         (90, 128, "dkdv"): {"spill": 600},
-        (90, 128, "dq"): {"mma": "mma.sync"},
         (100, 128, "dq_recompute"): {"mma": "mma.sync", "dropout": 1.45},
         (120, 64, "dq_recompute"): {"dropout": 1.45},
         (120, 128, "fwd"): {"dropout": 1.45},
@@ -101,6 +100,11 @@ SHORTFALLS: dict = {
         # did not (+7.4), so its ratio rose 1.34 -> 1.37x. sm_90 D=128's wgmma forward is the best again
         # (64x64w4s1, 16 B of spill with dropout): its mma.sync entry fell away
         (90, 64, "fwd"): {"dropout": 1.4},
+        # Past D=64 the dQ kernel reading dS through descriptors reads k_r's lower half again rather
+        # than carry it (bench/NOTES.md, "dQ reads k_r again"): sm_90 D=128's 32x64w4s1 80 -> 0 B of
+        # spill, its best spill-free dQ (0.89x, was 32x32w4s1 at 1.38x): wgmma for dk_r's product
+        # (64 window rows), mma.sync for dQ's (32 query rows), and mma.sync alone in deterministic mode
+        (90, 128, "dq"): {"mma": "mma.sync/wgmma"},
     },
     "3.9": {  # CI's scope: sm_80 and sm_90, D=64, two-stream, dropout off and on
         # 32x32w4s1r255: 136 B with dropout (16 B before kernel v4's bank-spread windows), dropout
@@ -492,7 +496,7 @@ def regressions(s: dict, all_candidates: bool = True, version: str | None = None
     name = chosen["config"]
     if limit["spill"] is not None and chosen["spill_bytes"] > limit["spill"]:
         found.append(f"{name}: {chosen['spill_bytes']} B of spill (gate: {limit['spill']} B)")
-    if limit["mma"] and chosen["mma"] != [limit["mma"]]:
+    if limit["mma"] and "/".join(chosen["mma"]) != limit["mma"]:  # a build can mix, e.g. "mma.sync/wgmma"
         found.append(f"{name}: MMA {'/'.join(chosen['mma'])} (gate: {limit['mma']})")
     if limit["ratio"] is not None and (chosen["ratio_to_reference"] is None
                                        or chosen["ratio_to_reference"] > limit["ratio"]):
