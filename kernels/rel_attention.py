@@ -850,7 +850,7 @@ def _bwd_q_kernel(
                                             BLOCK_N - lag[:, None], 2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
-            if not (FROM_DS and RELOAD_KR):  # reading dS, the upper half is only carried
+            if not (FROM_DS and RELOAD_KR):  # reading dS, the upper half would only be carried: not read
                 kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM,
                               TMA).to(DOT_DTYPE)
             if RELOAD_KR:
