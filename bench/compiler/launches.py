@@ -371,9 +371,14 @@ def smem_traffic(launch: aot.Launch, arch: int, ptx: str, threads: int, scores: 
 
 
 def _analysis_version() -> str:
-    """Changes when the code that reads binaries does (the cache's validity)."""
+    """Changes when the code that reads binaries does, or the launcher that builds the tables the
+    shared-memory count places its lanes by (the cache's validity: a key names a binary, not the
+    values it runs on)."""
+    from xlnet_fast import kernels
+
     source = (inspect.getsource(analyse) + inspect.getsource(smem_traffic) + inspect.getsource(sampled_programs)
-              + inspect.getsource(aot) + inspect.getsource(sass))
+              + inspect.getsource(aot) + inspect.getsource(sass) + inspect.getsource(kernels)
+              + inspect.getsource(kernels.contract))
     return hashlib.sha256(f"{triton.__version__}\n{source}".encode()).hexdigest()[:16]
 
 
