@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -16,8 +17,8 @@ import torch
 from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
 from . import launch
 from .contract import (E_FIELDS, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
-                       MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK,
-                       ROW_SEG, ROW_SRC, interpreting)
+                       MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_GROUP, ROW_OWN_KEY, ROW_POS_SHIFT,
+                       ROW_RANK, ROW_SEG, ROW_SRC, interpreting)
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -162,7 +163,41 @@ def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, 
     rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
     rows[..., ROW_RANK] = torch.where(real, rank, INT32_MIN).to(torch.int32)
     rows[..., ROW_SRC] = order.to(torch.int32)
-    return rows, a.q_pos is None or a.rows_cover_qlen
+    return _interleave_row_groups(rows), a.q_pos is None or a.rows_cover_qlen
+
+
+@functools.cache
+def _row_group_orders(device) -> torch.Tensor:
+    """(2**ROW_GROUP, ROW_GROUP) int64: for each pattern of position parities of ROW_GROUP rows
+    sorted by position (bit s: row s's parity), the order of those rows that keeps the first and the
+    last in place (a tile's position range stays its first and last row's) and gives the most pairs
+    (s, s + ROW_GROUP/2) opposite parities; the identity first among equals."""
+    half = ROW_GROUP // 2
+    middle = itertools.permutations(range(1, ROW_GROUP - 1))
+    orders = torch.tensor([(0, *rest, ROW_GROUP - 1) for rest in middle], device=device)  # identity first
+    parities = (torch.arange(2**ROW_GROUP, device=device)[:, None] >> torch.arange(ROW_GROUP, device=device)) & 1
+    placed = parities[:, orders]  # (patterns, orders, ROW_GROUP)
+    opposite = (placed[..., :half] != placed[..., half:]).sum(-1)
+    return orders[opposite.argmax(1)]  # argmax: the first of the best
+
+
+def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (B, M, ROW_FIELDS), sorted by position, with each whole group of ROW_GROUP rows in
+    the order ``_row_group_orders`` gives it. Why: the skew's gather reads one window element per
+    lane, and the lanes of one read hold the rows r and r + ROW_GROUP/2 of such a group at columns
+    that differ by their positions' difference. Rows whose positions have the same parity then
+    read the same banks (a 2-way conflict); of opposite parity, other banks (conflict-free)."""
+    B, M, _ = rows.shape
+    whole = M // ROW_GROUP * ROW_GROUP
+    if whole == 0:
+        return rows
+    device = rows.device
+    weights = 1 << torch.arange(ROW_GROUP, device=device)
+    parity = ((rows[:, :whole, ROW_CODE] >> ROW_POS_SHIFT) & 1).view(B, -1, ROW_GROUP)
+    order = _row_group_orders(device)[(parity * weights).sum(-1)]  # (B, groups, ROW_GROUP)
+    order = (order + torch.arange(0, whole, ROW_GROUP, device=device)[:, None]).view(B, whole)
+    order = torch.cat([order, torch.arange(whole, M, device=device).expand(B, M - whole)], dim=1)
+    return rows.gather(1, order[..., None].expand(B, M, ROW_FIELDS))
 
 
 def _keys_table(a, B: int, K: int, device, k_codes=None) -> torch.Tensor:

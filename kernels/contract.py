@@ -25,6 +25,11 @@ MASK_RANKS = 2
 # rows last: code; segment code (the ids ranked per batch row); rank (INT32_MIN for a padding row);
 # the caller's row.
 ROW_FIELDS = 4
+# Then each whole group of ROW_GROUP rows (one MMA accumulator's lanes hold ROW_GROUP consecutive
+# tile rows, lane // 4) is reordered within itself, its first and last row kept, so that the skew's
+# reads hit distinct shared-memory banks (kernels._interleave_row_groups): a tile's first and last
+# rows still hold its lowest and highest position.
+ROW_GROUP = 8
 ROW_CODE = 0
 ROW_SEG = 1
 ROW_RANK = 2

@@ -485,9 +485,11 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
     and the gradients must equal the float64 autograd of (P * keep * scale) @ V with that mask. The
     query rows come in shuffled positions, so the kernels' launch order (by position) is not the
     caller's: the mask is drawn by launch row and must land on the caller's rows."""
+    from xlnet_fast import kernels
     from xlnet_fast.attention.args import validate
     from xlnet_fast.attention.op import dropout_seed
     from xlnet_fast.kernels import dropout_mask, dropout_threshold
+    from xlnet_fast.kernels.contract import ROW_GROUP, ROW_SRC
 
     B, L, H, p = 1, 40, 1, 0.4
     q_pos = torch.randperm(L, generator=torch.Generator().manual_seed(3)).view(1, L)
@@ -504,7 +506,12 @@ def test_dropout_is_the_same_mask_in_forward_and_backward():
     record = validate(*leaves, **kw, dropout_p=p)
     keep = dropout_mask(seed, B, H, L, L, p, DEVICE, record=record)[0, 0]
     launch = dropout_mask(seed, B, H, L, L, p, DEVICE)[0, 0]
-    assert torch.equal(keep[q_pos[0].argsort()], launch)  # launch row m is the row at position m
+    # launch rows: sorted by position, reordered within each whole group of ROW_GROUP (first and last kept)
+    launch_rows = kernels.mask_tables(record, B, L, L, DEVICE)[0][0, :, ROW_SRC].long()
+    groups = q_pos[0][launch_rows.cpu()].view(-1, ROW_GROUP)
+    assert torch.equal(groups.sort(1).values, torch.arange(L).view(-1, ROW_GROUP))
+    assert torch.equal(groups[:, 0], groups.amin(1)) and torch.equal(groups[:, -1], groups.amax(1))
+    assert torch.equal(keep[launch_rows], launch)
     assert not torch.equal(keep, launch)
     scale = 1 / (1 - dropout_threshold(p) / 256)
     assert 0.3 < 1 - keep.float().mean().item() < 0.5
@@ -735,6 +742,50 @@ def test_head_dims_past_the_kernels_limit():
     assert rel(out, case.call(eager_attention)) < 1e-6
 
 
+@settings(max_examples=40, deadline=None, phases=[Phase.generate])
+@given(L=st.integers(1, 70), targets=st.integers(0, 30), seed=st.integers(0, 2**16))
+def test_row_groups_pair_opposite_parities(L, targets, seed):
+    """The launcher reorders each whole group of ROW_GROUP position-sorted rows so that rows s and
+    s + ROW_GROUP/2 (the lanes of one skew read) have positions of opposite parity in as many
+    pairs as any order keeping the first and last row gives (brute force here), and in all pairs for
+    the content stream and for full two-stream rows."""
+    import itertools
+
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels.contract import ROW_CODE, ROW_GROUP, ROW_POS_SHIFT, ROW_SRC
+
+    half = ROW_GROUP // 2
+
+    def opposite(p):
+        return sum(int(p[s] % 2 != p[s + half] % 2) for s in range(half))
+
+    def table(q_pos):
+        a = AttnArgs(None, None, None, None, None, None, None, q_pos, L, L, 0.125, 0.0, None, rows_cover_qlen=True)
+        return kernels._rows_table(a, 1, q_pos.shape[1], torch.device("cpu"))[0][0]
+
+    gen = torch.Generator().manual_seed(seed)
+    target_pos = torch.randint(-1, L, (1, targets), generator=gen)
+    q_pos = torch.cat([torch.arange(L)[None], target_pos], dim=1)
+    rows = table(q_pos)
+    pos = (rows[:, ROW_CODE].long() >> ROW_POS_SHIFT).tolist()
+    sorted_pos = sorted(pos[:L + targets - int((target_pos < 0).sum())])
+    sorted_pos += [sorted_pos[-1]] * (len(pos) - len(sorted_pos))  # padding rows repeat the last position
+    assert torch.equal(rows[:, ROW_SRC].sort().values, torch.arange(len(pos)))
+    whole = len(pos) // ROW_GROUP * ROW_GROUP
+    assert pos[whole:] == sorted_pos[whole:]
+    for g in range(0, whole, ROW_GROUP):
+        group, ordered = pos[g:g + ROW_GROUP], sorted_pos[g:g + ROW_GROUP]
+        assert sorted(group) == ordered and group[0] == ordered[0] and group[-1] == ordered[-1]
+        best = max(opposite([ordered[0], *middle, ordered[-1]])
+                   for middle in itertools.permutations(ordered[1:-1]))
+        assert opposite(group) == best
+    for q_pos in (torch.arange(L)[None], torch.arange(L).repeat_interleave(2)[None]):
+        pos = (table(q_pos)[:, ROW_CODE].long() >> ROW_POS_SHIFT).tolist()
+        for g in range(0, len(pos) // ROW_GROUP * ROW_GROUP, ROW_GROUP):
+            assert opposite(pos[g:g + ROW_GROUP]) == half
+
+
 def test_two_stream_rows_are_banded_for_every_tile_size():
     # the launcher compiles only the banded path for two-stream launches (rows_cover_qlen): every run
     # of BLOCK_M position-sorted rows must then span fewer than BLOCK_M positions
@@ -750,9 +801,11 @@ def test_two_stream_rows_are_banded_for_every_tile_size():
     assert banded_only
     pos = rows[..., ROW_CODE].long() >> ROW_POS_SHIFT
     for block_m in (16, 64, 128):
-        for start in range(0, L + P):
+        for start in range(0, L + P, block_m):  # tiles start at multiples of BLOCK_M
             window = pos[:, start:start + block_m]
             assert (window.amax(1) - window.amin(1) < block_m).all()
+            # the kernels read a tile's range from its first and last rows
+            assert (window[:, 0] == window.amin(1)).all() and (window[:, -1] == window.amax(1)).all()
     # every caller row appears once, padding rows (rank INT32_MIN) last
     assert (rows[..., ROW_SRC].sort(dim=1).values == torch.arange(L + P)).all()
     padding = (target_pos < 0).sum(1)
