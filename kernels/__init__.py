@@ -167,18 +167,29 @@ def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, 
 
 
 @functools.cache
-def _row_group_orders(device) -> torch.Tensor:
+def _row_group_orders(device) -> tuple[torch.Tensor, torch.Tensor]:
     """(2**ROW_GROUP, ROW_GROUP) int64: for each pattern of position parities of ROW_GROUP rows
-    sorted by position (bit s: row s's parity), the order of those rows that keeps the first and the
-    last in place (a tile's position range stays its first and last row's) and gives the most pairs
-    (s, s + ROW_GROUP/2) opposite parities; the identity first among equals."""
+    sorted by position (bit s: row s's parity, ``(parities * weights).sum()``), the order of those
+    rows that keeps the first and the last in place (a tile's position range stays its first and
+    last row's) and gives the most pairs (s, s + ROW_GROUP/2) opposite parities; the identity first
+    among equals. And the (ROW_GROUP,) weights."""
     half = ROW_GROUP // 2
     middle = itertools.permutations(range(1, ROW_GROUP - 1))
     orders = torch.tensor([(0, *rest, ROW_GROUP - 1) for rest in middle], device=device)  # identity first
+    weights = 1 << torch.arange(ROW_GROUP, device=device)
     parities = (torch.arange(2**ROW_GROUP, device=device)[:, None] >> torch.arange(ROW_GROUP, device=device)) & 1
     placed = parities[:, orders]  # (patterns, orders, ROW_GROUP)
     opposite = (placed[..., :half] != placed[..., half:]).sum(-1)
-    return orders[opposite.argmax(1)]  # argmax: the first of the best
+    return orders[opposite.argmax(1)], weights  # argmax: the first of the best
+
+
+@functools.cache
+def _row_group_starts(M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups, 1) int64: the first row of each whole group of ROW_GROUP rows among M, and (1, rest)
+    the rows after the last whole group."""
+    whole = M // ROW_GROUP * ROW_GROUP
+    return (torch.arange(0, whole, ROW_GROUP, device=device)[:, None],
+            torch.arange(whole, M, device=device)[None])
 
 
 def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
@@ -191,12 +202,12 @@ def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
     whole = M // ROW_GROUP * ROW_GROUP
     if whole == 0:
         return rows
-    device = rows.device
-    weights = 1 << torch.arange(ROW_GROUP, device=device)
+    orders, weights = _row_group_orders(rows.device)
+    starts, rest = _row_group_starts(M, rows.device)
     parity = ((rows[:, :whole, ROW_CODE] >> ROW_POS_SHIFT) & 1).view(B, -1, ROW_GROUP)
-    order = _row_group_orders(device)[(parity * weights).sum(-1)]  # (B, groups, ROW_GROUP)
-    order = (order + torch.arange(0, whole, ROW_GROUP, device=device)[:, None]).view(B, whole)
-    order = torch.cat([order, torch.arange(whole, M, device=device).expand(B, M - whole)], dim=1)
+    order = (orders[(parity * weights).sum(-1)] + starts).view(B, whole)  # (B, whole)
+    if whole < M:
+        order = torch.cat([order, rest.expand(B, M - whole)], dim=1)
     return rows.gather(1, order[..., None].expand(B, M, ROW_FIELDS))
 
 
