@@ -15,8 +15,8 @@ Per (query tile, key tile) the score tile is built in registers and never writte
 * masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
   bool tile, padding rows (negative position), k_r rows past the end ("uni").
 
-Banded tiles. The launcher orders the query rows by position (``ROWS`` maps tile rows to the
-caller's rows), so a tile's positions usually span fewer than BLOCK_M values (always for the content
+Banded tiles. The launcher orders the query rows by position (``ROWS`` maps tile rows to the caller's
+rows; see ``ROW_GROUP``), so a tile's positions usually span fewer than BLOCK_M values (always for the content
 stream and for two-stream launches, where every position has a content row). Then, with the window
 anchored at the tile's last position ``p_hi`` (``w0 = qlen + n0 - p_hi``), the gather index
 ``(j - n0) + (p_hi - p_i)`` is the same for every key tile, and consecutive key tiles' windows overlap
@@ -214,8 +214,8 @@ def _padded_keys(N_KEYS):
 
 @triton.jit
 def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tile's first and last positions (rows are sorted by position and padding rows repeat the
-    last real position, so two scalar loads), whether the tile is banded, and the loop-invariant
+    """The tile's first and last positions (rows sorted by position, groups of 8 keeping their first
+    and last, padding rows repeating the last real one: two scalar loads), whether banded, the loop-invariant
     flat gather index of a banded tile: row i, key column jj reads window column
     ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window. That column stays inside the window
     when the tile's positions span at most BLOCK_N + 1 values: that is what banded means."""
