@@ -193,6 +193,26 @@ def test_smem_traffic_follows_lane_addresses_placed_by_tables_and_guards():
                              params, memory([0] * 64), 64, program) is None  # no MMA: no key loop
 
 
+def test_the_analysis_cache_changes_with_the_launchers_tables(monkeypatch):
+    """Regression: a cache entry is named by its binary, but the shared-memory count places the
+    skew's lanes by the row tables the launcher builds; a change to how the tables are built (the
+    row interleave) returned the old counts from the cache. The version covers the launcher's source."""
+    import inspect
+
+    from bench.compiler import launches
+    from xlnet_fast import kernels
+
+    before = launches._analysis_version()
+    source = inspect.getsource
+
+    def edited(obj):
+        text = source(obj)
+        return text.replace("def _interleave_row_groups", "def _interleave_row_groups_v2") if obj is kernels else text
+
+    monkeypatch.setattr(inspect, "getsource", edited)
+    assert launches._analysis_version() != before
+
+
 def test_resident_warps_per_sm_as_nsight_compute_counted_them():
     """The H100's Nsight Compute occupancy sections (../shared/perf/H100_ncu_2026-11-26.txt): our
     forward at 228 registers and 107 KB, dK/dV at 255 and 61 KB, the fix-up at 188 and 57 KB, and the
