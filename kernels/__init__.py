@@ -166,21 +166,41 @@ def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, 
     return _interleave_row_groups(rows), a.q_pos is None or a.rows_cover_qlen
 
 
+def _best_row_group_orders() -> tuple:
+    """For each pattern of position parities of ROW_GROUP rows sorted by position (bit s: row s's
+    parity), the order of those rows that keeps the first and the last in place (a tile's position
+    range stays its first and last row's) and gives the most pairs (s, s + ROW_GROUP/2) opposite
+    parities. Greedy and optimal: the two pairs with a fixed end take a middle row of the other
+    parity where one is left (each such take costs the free pairs at most the one it gains), then
+    the free pairs match the remaining rows of opposite parities."""
+    half, last = ROW_GROUP // 2, ROW_GROUP - 1
+    orders = []
+    for pattern in range(2**ROW_GROUP):
+        parity = [(pattern >> s) & 1 for s in range(ROW_GROUP)]
+        left = {p: [s for s in range(1, last) if parity[s] == p] for p in (0, 1)}
+        slots = {0: 0, last: last}
+        for slot, partner in ((half, 0), (half - 1, last)):  # the pairs (0, half) and (half - 1, last)
+            want = 1 - parity[partner]
+            slots[slot] = (left[want] or left[1 - want]).pop(0)
+        rest = []  # the free pairs (s, s + half), s = 1 .. half - 2, opposite parities first
+        while left[0] and left[1]:
+            rest += [left[0].pop(0), left[1].pop(0)]
+        rest += left[0] + left[1]
+        for s in range(1, half - 1):
+            slots[s], slots[s + half] = rest.pop(0), rest.pop(0)
+        orders.append(tuple(slots[s] for s in range(ROW_GROUP)))
+    return tuple(orders)
+
+
+_ROW_GROUP_ORDERS = _best_row_group_orders()  # a constant: traced code (torch.compile) embeds it
+
+
 @functools.cache
 def _row_group_orders(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(2**ROW_GROUP, ROW_GROUP) int64: for each pattern of position parities of ROW_GROUP rows
-    sorted by position (bit s: row s's parity, ``(parities * weights).sum()``), the order of those
-    rows that keeps the first and the last in place (a tile's position range stays its first and
-    last row's) and gives the most pairs (s, s + ROW_GROUP/2) opposite parities; the identity first
-    among equals. And the (ROW_GROUP,) weights."""
-    half = ROW_GROUP // 2
-    middle = itertools.permutations(range(1, ROW_GROUP - 1))
-    orders = torch.tensor([(0, *rest, ROW_GROUP - 1) for rest in middle], device=device)  # identity first
-    weights = 1 << torch.arange(ROW_GROUP, device=device)
-    parities = (torch.arange(2**ROW_GROUP, device=device)[:, None] >> torch.arange(ROW_GROUP, device=device)) & 1
-    placed = parities[:, orders]  # (patterns, orders, ROW_GROUP)
-    opposite = (placed[..., :half] != placed[..., half:]).sum(-1)
-    return orders[opposite.argmax(1)], weights  # argmax: the first of the best
+    """``_ROW_GROUP_ORDERS`` (2**ROW_GROUP, ROW_GROUP) int64 on ``device``, and the (ROW_GROUP,)
+    weights that make a group's parities its pattern (``(parities * weights).sum()``)."""
+    return (torch.tensor(_ROW_GROUP_ORDERS, device=device),
+            1 << torch.arange(ROW_GROUP, device=device))
 
 
 @functools.cache
