@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from typing import NamedTuple
 
 import torch
