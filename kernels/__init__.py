@@ -194,26 +194,28 @@ def _best_row_group_orders() -> tuple:
 _ROW_GROUP_ORDERS = _best_row_group_orders()  # a constant: traced code (torch.compile) embeds it
 
 
-@functools.cache
-def _row_group_orders(device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_ROW_GROUP_ORDERS`` (2**ROW_GROUP, ROW_GROUP) int64 on ``device``, and the (ROW_GROUP,)
-    weights that make a group's parities its pattern (``(parities * weights).sum()``)."""
-    return (torch.tensor(_ROW_GROUP_ORDERS, device=device),
-            1 << torch.arange(ROW_GROUP, device=device))
+_ROW_GROUP_TABLES: dict = {}
 
 
-@functools.cache
-def _row_group_starts(M: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(groups, 1) int64: the first row of each whole group of ROW_GROUP rows among M, and (1, rest)
-    the rows after the last whole group."""
+def _row_group_tables(M: int, device) -> tuple[torch.Tensor, ...]:
+    """On ``device``: ``_ROW_GROUP_ORDERS`` (2**ROW_GROUP, ROW_GROUP) int64, the (ROW_GROUP,)
+    weights that make a group's parities its pattern (``(parities * weights).sum()``), the first row
+    of each whole group of ROW_GROUP among M (groups, 1) and the rows after the last (1, rest).
+    Kept per (M, device); under torch.compile built in the graph (constants: dynamo would trace
+    through a cache anyway)."""
+    if not torch.compiler.is_compiling() and (M, device) in _ROW_GROUP_TABLES:
+        return _ROW_GROUP_TABLES[M, device]
     whole = M // ROW_GROUP * ROW_GROUP
-    return (torch.arange(0, whole, ROW_GROUP, device=device)[:, None],
-            torch.arange(whole, M, device=device)[None])
+    tables = (torch.tensor(_ROW_GROUP_ORDERS, device=device), 1 << torch.arange(ROW_GROUP, device=device),
+              torch.arange(0, whole, ROW_GROUP, device=device)[:, None], torch.arange(whole, M, device=device)[None])
+    if not torch.compiler.is_compiling():
+        _ROW_GROUP_TABLES[M, device] = tables
+    return tables
 
 
 def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` (B, M, ROW_FIELDS), sorted by position, with each whole group of ROW_GROUP rows in
-    the order ``_row_group_orders`` gives it. Why: the skew's gather reads one window element per
+    the order ``_ROW_GROUP_ORDERS`` gives it. Why: the skew's gather reads one window element per
     lane, and the lanes of one read hold the rows r and r + ROW_GROUP/2 of such a group at columns
     that differ by their positions' difference. Rows whose positions have the same parity then
     read the same banks (a 2-way conflict); of opposite parity, other banks (conflict-free)."""
@@ -221,8 +223,7 @@ def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
     whole = M // ROW_GROUP * ROW_GROUP
     if whole == 0:
         return rows
-    orders, weights = _row_group_orders(rows.device)
-    starts, rest = _row_group_starts(M, rows.device)
+    orders, weights, starts, rest = _row_group_tables(M, rows.device)
     parity = ((rows[:, :whole, ROW_CODE] >> ROW_POS_SHIFT) & 1).view(B, -1, ROW_GROUP)
     order = (orders[(parity * weights).sum(-1)] + starts).view(B, whole)  # (B, whole)
     if whole < M:
