@@ -133,13 +133,27 @@ def _segment_codes(q_seg: torch.Tensor, k_seg: torch.Tensor) -> tuple[torch.Tens
     return q_codes, k_codes
 
 
-def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, bool]:
+def _rank_codes(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed tables' ranks (contract.PACKED_KEYS_MAX): (B, M) and (B, K) int64, each rank's
+    code (the number of its batch row's key ranks below it) shifted by KEY_RANK_SHIFT. A key is
+    below a query's rank iff its code is below the query's code, and codes are at most K. Without
+    rank masks: every key code 0, every row's 1 (every real row sees every real key). Sync-free."""
+    if a.q_rank is None:
+        return (torch.full((B, M), 1 << contract.KEY_RANK_SHIFT, dtype=torch.int64, device=device),
+                torch.zeros((B, K), dtype=torch.int64, device=device))
+    ranks = torch.sort(a.k_rank, dim=1).values
+    q_codes = torch.searchsorted(ranks, a.q_rank.contiguous())
+    k_codes = torch.searchsorted(ranks, a.k_rank.contiguous())
+    return q_codes << contract.KEY_RANK_SHIFT, k_codes << contract.KEY_RANK_SHIFT
+
+
+def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[torch.Tensor, bool]:
     """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment code
-    (``q_codes``, see ``_segment_codes``), rank and the caller's row; rows ordered by position (a
-    content row before the target rows at its position, padding rows last, repeating the last real
-    position, with rank INT32_MIN) so that tiles are banded. Also whether every tile is banded by
-    construction: the content stream (row i at position i) and launches whose rows cover every
-    position (two-stream)."""
+    (``q_codes``, see ``_segment_codes``), rank (``q_rank``, else the masks') and the caller's row;
+    rows ordered by position (a content row before the target rows at its position, padding rows
+    last, repeating the last real position, with rank INT32_MIN) so that tiles are banded. Also
+    whether every tile is banded by construction: the content stream (row i at position i) and
+    launches whose rows cover every position (two-stream)."""
     rows = torch.zeros((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
     caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
     own = (caller < a.self_rows).long()
@@ -159,7 +173,8 @@ def _rows_table(a, B: int, M: int, device, q_codes=None) -> tuple[torch.Tensor, 
     if q_codes is not None:
         rows[..., ROW_SEG] = take(q_codes).to(torch.int32)
     # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
-    rank = take(a.q_rank.long()) if a.q_rank is not None else torch.zeros_like(p_sorted)
+    q_rank = q_rank if q_rank is not None else a.q_rank
+    rank = take(q_rank.long()) if q_rank is not None else torch.zeros_like(p_sorted)
     rows[..., ROW_RANK] = torch.where(real, rank, INT32_MIN).to(torch.int32)
     rows[..., ROW_SRC] = order.to(torch.int32)
     return _interleave_row_groups(rows), a.q_pos is None or a.rows_cover_qlen
@@ -231,16 +246,21 @@ def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
     return rows.gather(1, order[..., None].expand(B, M, ROW_FIELDS))
 
 
-def _keys_table(a, B: int, K: int, device, k_codes=None) -> torch.Tensor:
+def _keys_table(a, B: int, K: int, device, k_codes=None, k_rank=None) -> torch.Tensor:
     """(B, KEY_FIELDS, K padded to KEY_PAD) int32: segment code (``k_codes``, see ``_segment_codes``)
     and rank of each key, one row per field; the padding keys have rank INT32_MAX (never visible),
-    the real ones -1 without a rank mask."""
+    the real ones -1 without a rank mask. ``k_rank`` (``_rank_codes``): packed, the rank field is
+    that code with the segment code in its low bits, PACKED_PAD_KEY past the end."""
     padded = triton.cdiv(K, KEY_PAD) * KEY_PAD
     keys = torch.zeros((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
-    keys[:, KEY_RANK, K:] = INT32_MAX
-    keys[:, KEY_RANK, :K] = a.k_rank if a.k_rank is not None else -1
     if k_codes is not None:
         keys[:, KEY_SEG, :K] = k_codes.to(torch.int32)
+    if k_rank is not None:
+        keys[:, KEY_RANK, K:] = contract.PACKED_PAD_KEY
+        keys[:, KEY_RANK, :K] = (k_rank | k_codes if k_codes is not None else k_rank).to(torch.int32)
+    else:
+        keys[:, KEY_RANK, K:] = INT32_MAX
+        keys[:, KEY_RANK, :K] = a.k_rank if a.k_rank is not None else -1
     return keys
 
 
@@ -291,7 +311,8 @@ def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     ``qlen``, ``self_rows``): built once per set of masks and reused by every call that has them
     (the model's layers, forward and backward). No host sync."""
     q_codes, k_codes = _segment_codes(a.q_seg, a.k_seg) if a.q_seg is not None else (None, None)
-    return _rows_table(a, B, M, device, q_codes)[0], _keys_table(a, B, K, device, k_codes)
+    q_rank, k_rank = _rank_codes(a, B, M, K, device) if contract.packed_keys(K) else (None, None)
+    return _rows_table(a, B, M, device, q_codes, q_rank)[0], _keys_table(a, B, K, device, k_codes, k_rank)
 
 
 def _tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,6 +469,7 @@ def _static_args(shape: _Shape) -> dict:
         stride_mb=shape.mask[0] if shape.mask else 0, stride_mm=shape.mask[1] if shape.mask else 0,
         H=H, M=M, N_KEYS=K, R=R, qlen=shape.qlen, qk_scale=shape.scale * LOG2E, keep_threshold=threshold,
         SEGMENTS=segments, MASKING=shape.masking, BANDED_ONLY=shape.banded_only, CHECK_R=R < K + shape.qlen,
+        PACKED_KEYS=contract.packed_keys(K),
         DROPOUT=threshold > 0, HEAD_DIM=D, BLOCK_D=block_d, DOT_DTYPE=_dot_dtype(shape.dtype),
         INPUT_PRECISION=_input_precision(shape.dtype))
     q_g = shape.q_g[4:] if shape.q_g is not None else shape.q[4:]

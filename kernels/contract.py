@@ -46,6 +46,21 @@ KEY_PAD = 128
 KEY_FIELDS = 2
 KEY_SEG = 0
 KEY_RANK = 1
+# Calls of at most PACKED_KEYS_MAX keys pack a key's rank and segment code into KEY_RANK, so that
+# a key tile's score pass loads one vector instead of two: KEY_RANK = rank code << KEY_RANK_SHIFT |
+# segment code, where a rank's code is the number of its batch row's key ranks below it (key j is
+# visible to query i iff code(k_rank[j]) < code(q_rank[i]); codes <= K), and ROW_RANK holds the
+# row's code << KEY_RANK_SHIFT (a padding row: INT32_MIN still). Keys past the end: PACKED_PAD_KEY
+# (a code above every row's). Segment codes are below K too, so both fit 16 bits.
+KEY_RANK_SHIFT = 16
+KEY_SEG_MASK = (1 << KEY_RANK_SHIFT) - 1
+PACKED_KEYS_MAX = 2**15 - 2
+PACKED_PAD_KEY = (PACKED_KEYS_MAX + 1) << KEY_RANK_SHIFT
+
+
+def packed_keys(n_keys: int) -> bool:
+    """Whether a call of ``n_keys`` keys packs ranks and segment codes (see PACKED_KEYS_MAX)."""
+    return n_keys <= PACKED_KEYS_MAX
 
 # Per-row fp32 segment scores of the E table (B, H, M, E_FIELDS), rows in ROWS order:
 # (q + r_s_bias) . seg_embed[0] and (q + r_s_bias) . (seg_embed[1] - seg_embed[0]), scaled like q.

@@ -790,6 +790,59 @@ def test_row_groups_pair_opposite_parities(L, targets, seed):
             assert opposite(pos[g:g + ROW_GROUP]) == half
 
 
+@settings(max_examples=30, deadline=None)
+@given(K=st.integers(1, 40), M=st.integers(1, 12), seed=st.integers(0, 2**16), segments=st.booleans())
+def test_packed_rank_codes_keep_every_rank_comparison(K, M, seed, segments):
+    """Packed keys (contract.PACKED_KEYS_MAX): key j is visible to row i in the tables iff
+    k_rank[j] < q_rank[i] in the masks, for any int32 ranks (the sentinels included); the segment
+    code reads back from the low bits; padding keys are visible to no row."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels import contract
+    from xlnet_fast.kernels.contract import (INT32_MAX, INT32_MIN, KEY_RANK, KEY_SEG, KEY_SEG_MASK, PACKED_PAD_KEY,
+                                             ROW_RANK, ROW_SRC)
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([INT32_MIN, INT32_MIN + 1, -1, 0, 1, 2, 5, INT32_MAX - 1, INT32_MAX], dtype=torch.int32)
+    draw = lambda n: torch.where(torch.rand(2, n, generator=gen) < 0.5,  # noqa: E731
+                                 pool[torch.randint(0, len(pool), (2, n), generator=gen)],
+                                 torch.randint(-3, 4, (2, n), generator=gen, dtype=torch.int32))
+    q_rank, k_rank = draw(M), draw(K)
+    seg = dict(q_seg=torch.randint(0, 3, (2, M), generator=gen), k_seg=torch.randint(0, 3, (2, K), generator=gen)) \
+        if segments else dict(q_seg=None, k_seg=None)
+    a = AttnArgs(None, None, seg["q_seg"], seg["k_seg"], None, q_rank, k_rank, None, M, 0, 0.125, 0.0, None)
+    assert contract.packed_keys(K)
+    rows, keys = kernels.mask_tables(a, 2, M, K, torch.device("cpu"))
+    order = rows[..., ROW_SRC].long()
+    row_rank = torch.empty_like(q_rank).scatter_(1, order, rows[..., ROW_RANK])
+    packed = keys[:, KEY_RANK]
+    visible = packed[:, None, :K] < row_rank[:, :, None]
+    assert torch.equal(visible, k_rank[:, None, :] < q_rank[:, :, None])
+    assert (packed[:, None, K:] >= row_rank[:, :, None]).all() and (packed[:, K:] == PACKED_PAD_KEY).all()
+    assert torch.equal(packed[:, :K] & KEY_SEG_MASK, keys[:, KEY_SEG, :K])
+
+
+@pytest.mark.parametrize("name", ["rank_query_per_batch_k_r", "target_rows_with_padding", "content_seg_mem"])
+def test_calls_past_the_packed_keys_limit_match_eager(name, monkeypatch):
+    """Calls of more keys than contract.PACKED_KEYS_MAX keep ranks and segment codes apart (two
+    vectors a key tile): that path, with the limit lowered below these cases' keys, against float64."""
+    from xlnet_fast import kernels
+    from xlnet_fast.kernels import contract
+
+    def no_codes(*args, **kwargs):
+        raise AssertionError("rank codes computed for a call past the packed limit")
+
+    monkeypatch.setattr(contract, "PACKED_KEYS_MAX", 8)
+    monkeypatch.setattr(kernels, "_rank_codes", no_codes)
+    kernels.clear_launches()  # no shape planned with the shipped limit
+    try:
+        case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+        assert not contract.packed_keys(case.k.shape[1])
+        assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    finally:
+        kernels.clear_launches()
+
+
 def test_two_stream_rows_are_banded_for_every_tile_size():
     # the launcher compiles only the banded path for two-stream launches (rows_cover_qlen): every run
     # of BLOCK_M position-sorted rows must then span fewer than BLOCK_M positions
