@@ -489,7 +489,10 @@ def _static_args(shape: _Shape) -> dict:
                  # q_r from registers pays on wgmma (sm_90) only: on mma.sync it cost sm_120's and sm_80's
                  # forward registers and spills (bench/NOTES.md, kernel v4 step 4)
                  Q_R_REGISTERS=shape.arch is None or _k.arch_family(shape.arch) == 90),
-        dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False),
+        # the dK/dV kernel's keys are its program's: it reads their segment codes from KEY_SEG (valid
+        # with packed tables too); taken from the packed field per query tile, sm_90's 64x64w4s1
+        # went 180 -> 300 B of spill
+        dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False, PACKED_KEYS=False),
         dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
                 ds_pitch=0, FROM_DS=False, TMA=shape.tma, n_dkr_rows=dkr_rows,
                 # triton's interpreter has no descriptor reductions: its dk_r atomics are per element

@@ -308,8 +308,9 @@ def _finish_scores(s, query, keys_base, mask_base, stride_mm, n0, N_KEYS, qlen, 
     """Add the segment term to ``ac + bd`` (already scaled, log2 domain) and mask: -inf where a key
     is not visible. The segment term's per-row part for same-segment keys is left out: a constant
     per row does not change the softmax (the launcher's lse adds it back). ``PACKED_KEYS``: the
-    key's rank code and segment code in one field (contract.PACKED_KEYS_MAX); its rank compares as
-    it is (the rows' ranks are codes shifted alike)."""
+    segment codes read from the rank field's low bits (tables packed: contract.PACKED_KEYS_MAX),
+    one vector a tile instead of two; else from KEY_SEG, which holds them in either table. The rank
+    field compares as it is: packed, the rows' ranks are codes shifted alike."""
     cols = n0 + tl.arange(0, BLOCK_N)
     rank_k = tl.load(keys_base + KEY_RANK * _padded_keys(N_KEYS) + cols)
     if SEGMENTS:
