@@ -521,7 +521,9 @@ def _static_args(shape: _Shape) -> dict:
         # they recompute it, each a role of its own (its own autotuning, configs and records)
         # the recomputing dQ reads its tiles through pointers: with descriptors its best spill-free
         # build (32x32w4s1, mma.sync) paid 1.37x for dropout on sm_90 (bench/NOTES.md, kernel v4 step 4)
-        static["dq_recompute"] = dict(static["dq"], TMA=False, TMA_REDUCE=False)
+        # its segment codes from KEY_SEG as dK/dV's: the packed field's read cost triton 3.9's sm_90
+        # 32x32w4s1 (its best spill-free build) 72 -> 88 B of spill, for 2% at 64x64w4s2
+        static["dq_recompute"] = dict(static["dq"], TMA=False, TMA_REDUCE=False, PACKED_KEYS=False)
         static["dkr_recompute"] = dict(static["dkr"])
         ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
         if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= STORED_DS_BYTES:
