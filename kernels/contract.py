@@ -62,6 +62,7 @@ def packed_keys(n_keys: int) -> bool:
     """Whether a call of ``n_keys`` keys packs ranks and segment codes (see PACKED_KEYS_MAX)."""
     return n_keys <= PACKED_KEYS_MAX
 
+
 # Per-row fp32 segment scores of the E table (B, H, M, E_FIELDS), rows in ROWS order:
 # (q + r_s_bias) . seg_embed[0] and (q + r_s_bias) . (seg_embed[1] - seg_embed[0]), scaled like q.
 E_FIELDS = 2
