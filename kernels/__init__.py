@@ -141,10 +141,17 @@ def _rank_codes(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     if a.q_rank is None:
         return (torch.full((B, M), 1 << contract.KEY_RANK_SHIFT, dtype=torch.int64, device=device),
                 torch.zeros((B, K), dtype=torch.int64, device=device))
-    ranks = torch.sort(a.k_rank, dim=1).values
-    q_codes = torch.searchsorted(ranks, a.q_rank.contiguous())
-    k_codes = torch.searchsorted(ranks, a.k_rank.contiguous())
-    return q_codes << contract.KEY_RANK_SHIFT, k_codes << contract.KEY_RANK_SHIFT
+    # One sort of the keys' and rows' ranks together; a rank's code is the count of keys before the
+    # first entry of its run of equal ranks. (Not torch.searchsorted: inductor's Triton code for it
+    # fails to compile when the searched values fold to a constant, as padding-only ranks do.)
+    sorted_ranks, order = torch.sort(torch.cat([a.k_rank.long(), a.q_rank.long()], dim=1), dim=1)
+    is_key = (order < K).long()
+    keys_before = is_key.cumsum(1) - is_key
+    new_rank = torch.ones_like(sorted_ranks, dtype=torch.bool)
+    new_rank[:, 1:] = sorted_ranks[:, 1:] != sorted_ranks[:, :-1]
+    code_sorted = torch.where(new_rank, keys_before, 0).cummax(1).values  # keys_before never decreases
+    codes = torch.empty_like(code_sorted).scatter_(1, order, code_sorted)
+    return codes[:, K:] << contract.KEY_RANK_SHIFT, codes[:, :K] << contract.KEY_RANK_SHIFT
 
 
 def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[torch.Tensor, bool]:

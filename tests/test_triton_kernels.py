@@ -822,6 +822,31 @@ def test_packed_rank_codes_keep_every_rank_comparison(K, M, seed, segments):
     assert torch.equal(packed[:, :K] & KEY_SEG_MASK, keys[:, KEY_SEG, :K])
 
 
+def test_rank_codes_of_padding_only_masks_trace_without_searchsorted():
+    """Regression (H100, torch 2.11): the native model compiled with inductor failed on padding-only
+    masks (every row's rank 1, a constant after tracing), because inductor's Triton code for
+    torch.searchsorted does not compile when the searched values fold to a constant. That Triton
+    code needs a GPU, so here: the traced codes use no searchsorted and count the keys below."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels.contract import INT32_MAX, KEY_RANK_SHIFT
+
+    def codes(k_rank):
+        q_rank = torch.ones(2, 5, dtype=torch.int32)  # padding-only masks: a constant
+        a = AttnArgs(None, None, None, None, None, q_rank, k_rank, None, 5, 0, 0.125, 0.0, None)
+        return kernels._rank_codes(a, 2, 5, 7, torch.device("cpu"))
+
+    k_rank = torch.tensor([[0, 0, INT32_MAX, 0, INT32_MAX, 0, 0], [INT32_MAX] * 3 + [0] * 4], dtype=torch.int32)
+    graph = make_fx(codes)(k_rank)
+    assert not [n for n in graph.graph.nodes if "searchsorted" in str(n.target)]
+    q_codes, k_codes = graph(k_rank)
+    real = (k_rank == 0).sum(1, keepdim=True)  # every row sees every real key, no padding key
+    assert torch.equal(q_codes >> KEY_RANK_SHIFT, real.expand(2, 5))
+    assert torch.equal(k_codes >> KEY_RANK_SHIFT, torch.where(k_rank == 0, 0, real))
+
+
 @pytest.mark.parametrize("name", ["rank_query_per_batch_k_r", "target_rows_with_padding", "content_seg_mem"])
 def test_calls_past_the_packed_keys_limit_match_eager(name, monkeypatch):
     """Calls of more keys than contract.PACKED_KEYS_MAX keep ranks and segment codes apart (two
