@@ -35,11 +35,14 @@ INTERPRETED = interpreting()
 # every kernel has a config that fits Hopper's shared memory up to this head dim (bench.compile_report)
 MAX_HEAD_DIM = 128
 # The backward keeps dS (B*H, M, K, the dot dtype) from the dK/dV kernel when it takes at most this
-# many bytes: the dQ kernel (and the deterministic dk_r kernel) then read it instead of recomputing
-# the scores. Larger calls (e.g. 16k tokens: 8 GB at 16 heads) recompute (bench/NOTES.md, kernel v4
-# steps 2 and 3). Read when a call shape's plan is made: after changing it, ``clear_launches()``
-# re-plans the shapes seen. Rows of DS start 16-element aligned.
-STORED_DS_BYTES = 2**31
+# many bytes and at most 1 / STORED_DS_DEVICE_SHARE of the GPU's memory (``_stored_ds_limit``): the dQ
+# kernel (and the deterministic dk_r kernel) then read it instead of recomputing the scores, which
+# costs dQ twice the time per score (bench/NOTES.md, kernel v4 steps 2 and 3; "H100 after the packed
+# key fields"). Larger calls (e.g. 16k tokens: 8.8 GB at 16 heads) recompute. Read when a call
+# shape's plan is made: after changing it, ``clear_launches()`` re-plans the shapes seen. Rows of DS
+# start 16-element aligned.
+STORED_DS_BYTES = 2**33
+STORED_DS_DEVICE_SHARE = 16
 DS_ROW_ALIGN = 16
 # On these arch families (Hopper) the forward and dQ kernels read their tiles through tensor
 # descriptors (TMA: the copy engine fills shared memory, no per-element addresses or registers;
@@ -533,12 +536,21 @@ def _static_args(shape: _Shape) -> dict:
         static["dq_recompute"] = dict(static["dq"], TMA=False, TMA_REDUCE=False, PACKED_KEYS=False)
         static["dkr_recompute"] = dict(static["dkr"])
         ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
-        if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= STORED_DS_BYTES:
+        if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= _stored_ds_limit(shape.device):
             static["dkdv"].update(STORE_DS=True, ds_pitch=ds_pitch)
             static["dq"].update(FROM_DS=True, ds_pitch=ds_pitch)
             static["dkr"].update(FROM_DS=True, ds_pitch=ds_pitch)
     _STATIC[shape] = static
     return static
+
+
+def _stored_ds_limit(device_index: int | None) -> int:
+    """The most bytes of dS the backward keeps on this device (STORED_DS_BYTES): on a GPU also at
+    most 1 / STORED_DS_DEVICE_SHARE of its memory (an 80 GB H100: 4.9 GiB, a 24 GB card: 1.5)."""
+    if device_index is None:  # the interpreter's CPU tensors
+        return STORED_DS_BYTES
+    total = torch.cuda.get_device_properties(device_index).total_memory
+    return min(STORED_DS_BYTES, total // STORED_DS_DEVICE_SHARE)
 
 
 def _strides(prefix: str, strides) -> dict:

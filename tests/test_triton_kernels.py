@@ -106,6 +106,24 @@ def ds_plans(role: str) -> set:
     return {plan[role]["FROM_DS"] for plan in kernels._STATIC.values() if "gops" in plan}
 
 
+@pytest.mark.parametrize("total_gb, expected", [(24, 24e9 // 16), (80, 80e9 // 16), (141, 2**33)])
+def test_kept_ds_is_bounded_by_a_share_of_the_gpu_memory(total_gb, expected, monkeypatch):
+    """dS is kept up to STORED_DS_BYTES and, on a GPU, a sixteenth of its memory: an H100 keeps the
+    2.35 GB of 4x16 4096/384 (its dQ recomputed it at twice the time per score), a 24 GB card keeps
+    less than the 2 GiB it used to. CPU tensors (no device index): the constant alone."""
+    from types import SimpleNamespace
+
+    from xlnet_fast import kernels
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: asked.append(index) or SimpleNamespace(total_memory=int(total_gb * 1e9)))
+    assert kernels._stored_ds_limit(3) == expected and asked == [3]
+    assert kernels._stored_ds_limit(None) == kernels.STORED_DS_BYTES and asked == [3]
+    if total_gb == 80:
+        assert 4 * 16 * 4096 * 4480 * 2 <= kernels._stored_ds_limit(0) < 16 * 16384 * 16768 * 2
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES) + ["dropout"])
 def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, deterministic, monkeypatch):
