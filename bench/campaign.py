@@ -175,7 +175,7 @@ class Plan:
     models: tuple = (("base", cases.ModelCase("base", B=8, seq=512, mlen=384, predict=85)),
                      ("large", cases.ModelCase("large", B=8, seq=512, mlen=384, predict=85)))
     model_repeats: int = 10
-    model_providers: tuple = model_step.DEFAULT_PROVIDERS
+    model_providers: tuple = model_step.GPU_PROVIDERS
     infer_B: int = 32  # the inference forward's rows
     cpu_repeats: int = 1
     # memory: Transformer-XL evaluation with memory at these attention lengths, generation at these

@@ -1,15 +1,18 @@
 """XLNet's training step and inference forward: transformers against xlnet_fast, same weights and batch.
 
     python -m bench.model_step [--config base|large|tiny] [--modes train infer]
-                               [--providers hf patched native native-compiled] [--B 8] [--seq 512]
+                               [--providers hf patched native native-graphed native-compiled] [--B 8]
+                               [--seq 512]
                                [--mem 384] [--predict 85] [--infer-B 32] [--vocab 32000] [--repeats 10]
                                [--out FILE | --record | --no-record]
 
 Providers, all on transformers' ``XLNetLMHeadModel``'s weights: ``hf`` (transformers itself, with the
 dense ``perm_mask`` and one-hot ``target_mapping``), ``patched`` (a copy of it after
 ``patch_transformers``, the same dense inputs: a drop-in user), ``native`` (``from_hf``, with compact
-ranks and target positions: what ``xlnet-fast pretrain`` runs) and ``native-compiled`` (the same under
-``torch.compile``: inductor on CUDA, ``aot_eager`` on CPU; ``patched-compiled`` likewise, on request).
+ranks and target positions: what ``xlnet-fast pretrain`` runs), ``native-graphed`` (the same step
+captured in one CUDA graph and replayed: no host work per launch; CUDA only, run by default there)
+and ``native-compiled`` (the same under ``torch.compile``: inductor on CUDA, ``aot_eager`` on CPU;
+``patched-compiled`` likewise, on request).
 
 ``train``: forward + backward + AdamW with mems, ``--predict`` targets per row, dropout 0.1, bf16
 autocast on CUDA (fp32 on CPU, a smoke test). ``infer``: the backbone's forward (``XLNetModel``)
@@ -37,8 +40,11 @@ from xlnet_fast.pretrain import flops
 
 RECORDS = "model_step.json"
 SIZE_ALIASES = {"mini": "tiny"}  # the name bench.pretrain_step, this script's predecessor, used
-PROVIDERS = ("hf", "patched", "native", "native-compiled", "patched-compiled")
+PROVIDERS = ("hf", "patched", "native", "native-graphed", "native-compiled", "patched-compiled")
 DEFAULT_PROVIDERS = ("hf", "patched", "native", "native-compiled")
+# on CUDA also the captured step: the H100's eager steps waited on the host (~40 us a launch), the GPU
+# busy a third of the native step (bench/NOTES.md, "H100 after the packed key fields")
+GPU_PROVIDERS = ("hf", "patched", "native", "native-graphed", "native-compiled")
 MODES = ("train", "infer")
 WARMUP_STEPS = 3  # compiles (torch.compile, triton), autotunes and binds the launches
 
@@ -69,23 +75,52 @@ def _compiled(provider: str, module, device: str):
     return torch.compile(module, backend="inductor" if device == "cuda" else "aot_eager")
 
 
+def _graphed(work, warmup: int = WARMUP_STEPS):
+    """``work`` (a step that leaves its results in the same tensors each time: the batch is fixed)
+    captured in one CUDA graph at the first call, after ``warmup`` eager runs on a side stream
+    (compiles, autotuning, launch binding: none of it may happen while capturing), then replayed."""
+    graph = None
+
+    def step():
+        nonlocal graph
+        if graph is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    work(capturing=False)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                work(capturing=True)
+        graph.replay()
+    return step
+
+
 def train_step(provider: str, model, batch: dict, device: str):
     """One forward + backward + AdamW step of ``model`` (``native``: compact ranks and target
-    positions; the others transformers' dense ``perm_mask`` and ``target_mapping``)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+    positions; the others transformers' dense ``perm_mask`` and ``target_mapping``); ``-graphed``:
+    the whole step in one CUDA graph (AdamW ``capturable``; the gradients the graph's own, written
+    by each replay's backward)."""
+    graphed = provider.endswith("-graphed")
+    if graphed and device != "cuda":
+        raise ValueError(f"provider {provider!r} captures CUDA graphs: it needs a CUDA device")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda", capturable=graphed)
     run = _compiled(provider, model.train(), device)
     if provider.startswith("native"):
         masks = dict(q_rank=batch["q_rank"], k_rank=batch["k_rank"], target_pos=batch["target_pos"])
     else:
         masks = dict(perm_mask=batch["perm_mask"], target_mapping=batch["target_mapping"])
 
-    def step():
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    def work(capturing: bool = False):
+        # autocast's weight cache must be off under capture (its casts would not be replayed)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=not graphed):
             out = run(batch["ids"], mems=batch["mems"], labels=batch["labels"], use_mems=True, **masks)
         out.loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+        if not capturing:  # the graph keeps the gradients it allocated: replays write them anew
+            opt.zero_grad(set_to_none=True)
+    return _graphed(work) if graphed else work
 
 
 def infer_batch(case: cases.ModelCase, B: int, device: str) -> dict:
@@ -99,13 +134,18 @@ def infer_batch(case: cases.ModelCase, B: int, device: str) -> dict:
 
 
 def infer_step(provider: str, model, batch: dict, device: str):
-    """The backbone's forward (``XLNetModel``, in eval mode) without grad."""
+    """The backbone's forward (``XLNetModel``, in eval mode) without grad (``-graphed``: in one CUDA
+    graph)."""
+    graphed = provider.endswith("-graphed")
+    if graphed and device != "cuda":
+        raise ValueError(f"provider {provider!r} captures CUDA graphs: it needs a CUDA device")
     run = _compiled(provider, model.transformer.eval(), device)
 
-    def step():
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+    def work(capturing: bool = False):
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",
+                                             cache_enabled=not graphed):
             run(batch["ids"], attention_mask=batch["attention_mask"], use_mems=False)
-    return step
+    return _graphed(work) if graphed else work
 
 
 def time_step(step, device: str, repeats: int) -> tuple:
@@ -189,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", choices=sorted(MODEL_SIZES) + sorted(SIZE_ALIASES), default="base",
                    help="model size (mini: old name of tiny)")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--providers", nargs="+", choices=PROVIDERS, default=list(DEFAULT_PROVIDERS))
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS,
+                   help=f"default: {' '.join(GPU_PROVIDERS)} on CUDA, {' '.join(DEFAULT_PROVIDERS)} on CPU")
     p.add_argument("--B", type=int, default=8, help="training rows")
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--mem", type=int, default=384)
@@ -206,6 +247,10 @@ def main(argv=None) -> int:
     size = SIZE_ALIASES.get(args.config, args.config)
     case = cases.ModelCase(size, args.B, args.seq, mlen=args.mem, predict=args.predict, vocab=args.vocab)
     device = runner.device_name()
+    args.providers = args.providers or list(GPU_PROVIDERS if device == "cuda" else DEFAULT_PROVIDERS)
+    graphed = [p for p in args.providers if p.endswith("-graphed")]
+    if graphed and device != "cuda":
+        return runner.refuse(f"bench.model_step: {', '.join(graphed)} captures CUDA graphs and needs a CUDA device")
     if device == "cpu":
         steps = (WARMUP_STEPS + args.repeats) * len(args.providers)
         work = [(case.flops("fwd_bwd", lm_head=True) * steps, torch.float32)] if "train" in args.modes else []

@@ -289,6 +289,43 @@ def test_model_step_on_cpu_measures_every_provider_and_mode_and_refuses_a_long_r
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
+def test_model_step_graphed_provider_refuses_without_cuda_and_captures_once(cache, capsys, monkeypatch):
+    """``native-graphed`` needs CUDA: on a CPU one line and exit status 2, nothing written. Its
+    step warms up eagerly, captures one graph on its first call and only replays after (the CUDA
+    calls faked: the order of eager runs, the capture and the replays)."""
+    import contextlib
+
+    assert model_step.main(["--config", "tiny", "--providers", "native", "native-graphed"]) == 2
+    assert "native-graphed captures CUDA graphs and needs a CUDA device" in capsys.readouterr().err
+    assert not cache.exists()
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        model_step.train_step("native-graphed", None, {}, "cpu")
+
+    events = []
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+    @contextlib.contextmanager
+    def capture(graph):
+        events.append("capture")
+        yield
+
+    fake_stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    step = model_step._graphed(lambda capturing: events.append("captured work" if capturing else "eager"), warmup=2)
+    assert events == []
+    step()
+    step()
+    assert events == ["eager", "eager", "capture", "captured work", "replay", "replay"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_gpu_check_refuses_without_a_gpu(cache, capsys):
     assert gpu_check.main([]) == 2
     assert "needs a GPU" in capsys.readouterr().err
