@@ -137,24 +137,23 @@ def _segment_codes(q_seg: torch.Tensor, k_seg: torch.Tensor) -> tuple[torch.Tens
 
 
 def _rank_codes(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed tables' ranks (contract.PACKED_KEYS_MAX): (B, M) and (B, K) int64, each rank's
-    code (the number of its batch row's key ranks below it) shifted by KEY_RANK_SHIFT. A key is
-    below a query's rank iff its code is below the query's code, and codes are at most K. Without
-    rank masks: every key code 0, every row's 1 (every real row sees every real key). Sync-free."""
+    """The packed tables' ranks (contract.PACKED_KEYS_MAX): (B, M) and (B, K) int64 codes shifted by
+    KEY_RANK_SHIFT, per batch row: a row's code is the number of keys whose rank is below its rank, a
+    key's the number of keys sorted before it (equal ranks in any order). A key is below a row's rank
+    iff its code is below the row's code, and codes are at most K. Without rank masks: every key
+    code 0, every row's 1 (every real row sees every real key). Sync-free."""
     if a.q_rank is None:
         return (torch.full((B, M), 1 << contract.KEY_RANK_SHIFT, dtype=torch.int64, device=device),
                 torch.zeros((B, K), dtype=torch.int64, device=device))
-    # One sort of the keys' and rows' ranks together; a rank's code is the count of keys before the
-    # first entry of its run of equal ranks. (Not torch.searchsorted: inductor's Triton code for it
-    # fails to compile when the searched values fold to a constant, as padding-only ranks do.)
-    sorted_ranks, order = torch.sort(torch.cat([a.k_rank.long(), a.q_rank.long()], dim=1), dim=1)
-    is_key = (order < K).long()
-    keys_before = is_key.cumsum(1) - is_key
-    new_rank = torch.ones_like(sorted_ranks, dtype=torch.bool)
-    new_rank[:, 1:] = sorted_ranks[:, 1:] != sorted_ranks[:, :-1]
-    code_sorted = torch.where(new_rank, keys_before, 0).cummax(1).values  # keys_before never decreases
-    codes = torch.empty_like(code_sorted).scatter_(1, order, code_sorted)
-    return codes[:, K:] << contract.KEY_RANK_SHIFT, codes[:, :K] << contract.KEY_RANK_SHIFT
+    # One stable sort of the rows' ranks and then the keys': a row stays ahead of the keys of its own
+    # rank, so the keys sorted before it are exactly those below it, and a key whose rank is not below
+    # a row's sorts after every key below that row. (Not torch.searchsorted: inductor's Triton code
+    # for it fails to compile when the searched values fold to a constant, as padding-only ranks do.)
+    order = torch.sort(torch.cat([a.q_rank, a.k_rank], dim=1).long(), dim=1, stable=True).indices
+    is_key = order >= M
+    keys_before = is_key.cumsum(1) - is_key.long()
+    codes = torch.empty_like(keys_before).scatter_(1, order, keys_before)
+    return codes[:, :M] << contract.KEY_RANK_SHIFT, codes[:, M:] << contract.KEY_RANK_SHIFT
 
 
 def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[torch.Tensor, bool]:
