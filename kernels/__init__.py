@@ -12,6 +12,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from . import contract  # an attribute of the package even when xlnet_fast loaded it first (kernel_contract.py)
 from . import launch
@@ -126,13 +127,12 @@ def _segment_codes(q_seg: torch.Tensor, k_seg: torch.Tensor) -> tuple[torch.Tens
     no key has it. Equal ids get equal codes and different ids different ones, so the kernels compare
     codes (narrowing the ids to int32 would merge ids that differ above bit 31). Sync-free."""
     ids, order = torch.sort(k_seg.long(), dim=1)
-    new_id = torch.ones_like(ids, dtype=torch.bool)
-    new_id[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    code_sorted = new_id.long().cumsum(1) - 1
+    # a sorted key's code: how many times the id changed before it
+    code_sorted = F.pad(ids[:, 1:] != ids[:, :-1], (1, 0)).cumsum(1)
     k_codes = torch.empty_like(code_sorted).scatter_(1, order, code_sorted)
     q_ids = q_seg.long().contiguous()
     at = torch.searchsorted(ids, q_ids).clamp(max=ids.shape[1] - 1)
-    q_codes = torch.where(ids.gather(1, at) == q_ids, code_sorted.gather(1, at), -1)
+    q_codes = code_sorted.gather(1, at).masked_fill_(ids.gather(1, at) != q_ids, -1)
     return q_codes, k_codes
 
 
@@ -149,11 +149,11 @@ def _rank_codes(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     # rank, so the keys sorted before it are exactly those below it, and a key whose rank is not below
     # a row's sorts after every key below that row. (Not torch.searchsorted: inductor's Triton code
     # for it fails to compile when the searched values fold to a constant, as padding-only ranks do.)
-    order = torch.sort(torch.cat([a.q_rank, a.k_rank], dim=1).long(), dim=1, stable=True).indices
-    is_key = order >= M
-    keys_before = is_key.cumsum(1) - is_key.long()
+    order = torch.sort(torch.cat([a.q_rank, a.k_rank], dim=1), dim=1, stable=True).indices
+    # exclusive count of the keys in sorted order, shifted into the rank field's place
+    keys_before = F.pad(order[:, :-1] >= M, (1, 0)).cumsum(1) << contract.KEY_RANK_SHIFT
     codes = torch.empty_like(keys_before).scatter_(1, order, keys_before)
-    return codes[:, :M] << contract.KEY_RANK_SHIFT, codes[:, M:] << contract.KEY_RANK_SHIFT
+    return codes[:, :M], codes[:, M:]
 
 
 def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[torch.Tensor, bool]:
@@ -163,29 +163,32 @@ def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[t
     last, repeating the last real position, with rank INT32_MIN) so that tiles are banded. Also
     whether every tile is banded by construction: the content stream (row i at position i) and
     launches whose rows cover every position (two-stream)."""
-    rows = torch.zeros((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
-    caller = torch.arange(M, device=device, dtype=torch.int64).expand(B, M)
-    own = (caller < a.self_rows).long()
-    if a.q_pos is None:
-        pos, order = caller, caller
+    # each field assigned where it is computed: the int32 narrowing in the same copy (a GPU launch each)
+    rows = torch.empty((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
+    caller = torch.arange(M, device=device)
+    q_rank = q_rank if q_rank is not None else a.q_rank
+    if a.q_pos is None:  # row i at position i: the caller's order is sorted
+        order = caller.expand(B, M)
+        rows[..., ROW_CODE] = (caller << ROW_POS_SHIFT) | (caller < a.self_rows) * ROW_OWN_KEY
+        rank = q_rank  # every row real
     else:
         # q_pos below zero (any int64) is a padding row: clamp before narrowing to int32
         pos = a.q_pos.long().clamp(min=-1)
-        key = torch.where(pos >= 0, pos * 2 + (1 - own), torch.full_like(pos, 2 * a.qlen + 2))
+        key = (pos * 2 + (caller >= a.self_rows)).masked_fill_(pos < 0, 2 * a.qlen + 2)  # padding rows last
         order = torch.sort(key, dim=1, stable=True).indices
-    take = lambda t: t.gather(1, order) if a.q_pos is not None else t  # noqa: E731
-    p_sorted, own_sorted = take(pos), take(own)
-    real = p_sorted >= 0
-    last_real = p_sorted.cummax(dim=1).values.clamp(min=0)
-    code = torch.where(real, (p_sorted << ROW_POS_SHIFT) | own_sorted * ROW_OWN_KEY, last_real << ROW_POS_SHIFT)
-    rows[..., ROW_CODE] = code.to(torch.int32)
-    if q_codes is not None:
-        rows[..., ROW_SEG] = take(q_codes).to(torch.int32)
-    # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
-    q_rank = q_rank if q_rank is not None else a.q_rank
-    rank = take(q_rank.long()) if q_rank is not None else torch.zeros_like(p_sorted)
-    rows[..., ROW_RANK] = torch.where(real, rank, INT32_MIN).to(torch.int32)
-    rows[..., ROW_SRC] = order.to(torch.int32)
+        p_sorted = pos.gather(1, order)
+        real = p_sorted >= 0
+        # real rows come sorted by position, so the running max is a real row's own position and a
+        # padding row's the last real one (0 if none)
+        p_code = p_sorted.cummax(dim=1).values.clamp(min=0)
+        sees_own = (order < a.self_rows) & real
+        rows[..., ROW_CODE] = (p_code << ROW_POS_SHIFT) | sees_own * ROW_OWN_KEY
+        q_codes = q_codes.gather(1, order) if q_codes is not None else None
+        # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
+        rank = torch.where(real, q_rank.gather(1, order) if q_rank is not None else 0, INT32_MIN)
+    rows[..., ROW_SEG] = q_codes if q_codes is not None else 0
+    rows[..., ROW_RANK] = rank if rank is not None else 0
+    rows[..., ROW_SRC] = order
     return _interleave_row_groups(rows), a.q_pos is None or a.rows_cover_qlen
 
 
@@ -261,16 +264,30 @@ def _keys_table(a, B: int, K: int, device, k_codes=None, k_rank=None) -> torch.T
     the real ones -1 without a rank mask. ``k_rank`` (``_rank_codes``): packed, the rank field is
     that code with the segment code in its low bits, PACKED_PAD_KEY past the end."""
     padded = triton.cdiv(K, KEY_PAD) * KEY_PAD
-    keys = torch.zeros((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
-    if k_codes is not None:
-        keys[:, KEY_SEG, :K] = k_codes.to(torch.int32)
+    keys = torch.empty((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
+    keys[..., K:] = _key_padding(padded - K, k_rank is not None, device)
+    keys[:, KEY_SEG, :K] = k_codes if k_codes is not None else 0
     if k_rank is not None:
-        keys[:, KEY_RANK, K:] = contract.PACKED_PAD_KEY
-        keys[:, KEY_RANK, :K] = (k_rank | k_codes if k_codes is not None else k_rank).to(torch.int32)
+        keys[:, KEY_RANK, :K] = k_rank | k_codes if k_codes is not None else k_rank
     else:
-        keys[:, KEY_RANK, K:] = INT32_MAX
         keys[:, KEY_RANK, :K] = a.k_rank if a.k_rank is not None else -1
     return keys
+
+
+_KEY_PADDINGS: dict = {}
+
+
+def _key_padding(n: int, packed: bool, device) -> torch.Tensor:
+    """(KEY_FIELDS, n) int32: the fields of the keys past the end (segment code 0, a rank no row
+    sees), kept per (n, packed, device) outside torch.compile, as ``_row_group_tables``."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (n, packed, device) in _KEY_PADDINGS:
+        return _KEY_PADDINGS[n, packed, device]
+    padding = torch.zeros((KEY_FIELDS, n), dtype=torch.int32, device=device)
+    padding[KEY_RANK] = contract.PACKED_PAD_KEY if packed else INT32_MAX
+    if not compiling:
+        _KEY_PADDINGS[n, packed, device] = padding
+    return padding
 
 
 def _dot_torch_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -112,6 +112,26 @@ def test_prepared_masks_build_nothing_per_call(gpu_like):
     assert ops.ops == {"randint": 1}, ops.ops  # the dropout seed, drawn on the device
 
 
+def test_preparing_two_stream_masks_takes_at_most_66_launches():
+    """The tables of pretraining's masks (both streams, ranks, segments, padding targets), built once per
+    forward and by every call given raw masks: 65 PyTorch ops that would each be a GPU launch (84 before
+    the fields were narrowed in their copies and the exclusive counts padded: bench/NOTES.md). On an
+    H100's host each costs ~20 us, more than the forward kernel's time at small shapes."""
+    from bench.host_cost import _CountOps
+
+    g = torch.Generator().manual_seed(0)
+    K = MLEN + L
+    raw = dict(target_pos=torch.randint(-1, L, (B, P), generator=g), q_seg=torch.randint(0, 2, (B, L), generator=g),
+               k_seg=torch.randint(0, 2, (B, K), generator=g),
+               q_rank=torch.randint(0, L, (B, L), generator=g, dtype=torch.int32),
+               k_rank=torch.randint(0, L, (B, K), generator=g, dtype=torch.int32))
+    xlnet_fast.prepare_two_stream_masks(B, L, K, device="cpu", backend="triton", **raw)  # tables cached per shape
+    with _CountOps() as ops:
+        masks = xlnet_fast.prepare_two_stream_masks(B, L, K, device="cpu", backend="triton", **raw)
+    assert masks.rows_table is not None
+    assert sum(ops.ops.values()) <= 66, ops.ops
+
+
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_no_host_sync_in_a_pretraining_step(gpu_like, n_layer):
     """XLNet's pretraining forward and backward on the Triton path (ranks, target positions,
