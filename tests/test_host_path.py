@@ -153,6 +153,40 @@ def test_no_host_sync_in_a_pretraining_step(gpu_like, n_layer):
     assert gpu_like.count("fwd") == n_layer  # one launch per layer for both streams
 
 
+def _pretraining_step_ops(n_layer: int) -> tuple[dict, dict]:
+    """The PyTorch ops (``bench.host_cost``'s count: those that would run a GPU kernel) of a
+    pretraining forward, and of its backward, on the Triton path with its launches counted."""
+    from bench.host_cost import _CountOps
+
+    c = XLNetConfig(**{**SMALL, "n_layer": n_layer, "dropout": 0.1, "mem_len": MLEN}, attn_backend="triton")
+    model = XLNetLMHeadModel(c).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
+    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
+    target_pos = torch.randint(0, L, (B, P), generator=g)
+    mems = [torch.randn(MLEN, B, c.d_model) for _ in range(n_layer)]
+    with _CountOps() as forward:
+        out = model(ids, q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
+                    mems=mems, labels=ids.gather(1, target_pos), use_mems=True)
+    with _CountOps() as backward:
+        out.loss.backward()
+    return forward.ops, backward.ops
+
+
+def test_a_pretraining_layer_runs_both_streams_rows_through_one_feed_forward(gpu_like):
+    """Both streams' rows go through a layer's query and output projections, its two layer norms and
+    its feed-forward together (row-wise: the same values), not stream by stream: per layer 2 layer
+    norms, 2 linear layers and 5 projections forward (k, v, k_r, q, o), and 55 PyTorch ops forward
+    and backward in all (CPU's unfused dropout counted), where stream by stream made 107: each op
+    twice, and each weight's gradient summed over the streams. On a GPU's host each is a launch (~40 us
+    on the H100: bench/NOTES.md)."""
+    one, three = _pretraining_step_ops(1), _pretraining_step_ops(3)
+    per_layer = {name: (three[0].get(name, 0) - one[0].get(name, 0)) / 2 for name in set(three[0]) | set(one[0])}
+    assert per_layer["native_layer_norm"] == 2 and per_layer["addmm"] == 2 and per_layer["mm"] == 5, per_layer
+    total = sum(three[0].values()) + sum(three[1].values()) - sum(one[0].values()) - sum(one[1].values())
+    assert total / 2 <= 60, (three, one)
+
+
 @pytest.mark.parametrize("backend", ["triton", "eager"])
 def test_a_training_step_with_dropout_compiles_to_one_graph(backend):
     """``torch.compile(model, fullgraph=True)`` traces XLNet's pretraining forward (two streams, ranks,

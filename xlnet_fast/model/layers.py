@@ -2,6 +2,9 @@
 
 Activations are batch-first ``(B, L, d_model)``. Each attention call goes through the op
 (``xlnet_fast.attention``) with the masks the backbone built once per forward (``AttentionInputs``).
+In pretraining (both streams in one attention launch) the two streams' rows go side by side,
+``(B, L + P, d_model)``, through the query and output projections and the feed-forward: row-wise ops,
+so the same values, with one launch each instead of one per stream (``joint_streams``).
 """
 
 from __future__ import annotations
@@ -89,13 +92,29 @@ class XLNetRelativeAttention(nn.Module):
             probs = attention_probabilities(q, k, v, k_r, self.r_w_bias, self.r_r_bias, **kwargs)
         return out, probs
 
-    def _two_streams(self, h: Tensor, g: Tensor, k, v, k_r, inputs: AttentionInputs):
-        """Both streams in one launch, the query stream on its target rows only."""
-        attn_h, attn_g = rel_attention_two_stream(
-            self._project(h, self.q), self._project(g, self.q), k, v, k_r, self.r_w_bias, self.r_r_bias,
-            masks=inputs.joint, **self._op_options(inputs))
+    def _keys(self, h: Tensor, pos_emb: Tensor, mems: Tensor | None, inputs: AttentionInputs):
+        """k, v (B, mlen + L, H, D) from the memory and the content stream, k_r (Br, R, H, D)."""
+        cat = h if mems is None else torch.cat([mems.to(h.dtype), h], dim=1)
+        k = self._project(cat, self.k)
+        v = self._project(cat, self.v)
+        k_r = self._project(pos_emb.to(self.r.dtype), self.r)
+        if inputs.k_r_index is not None:
+            k_r = k_r[inputs.k_r_index]
+        return k, v, k_r
+
+    def joint_streams(self, h: Tensor, g: Tensor, pos_emb: Tensor, mems: Tensor | None,
+                      inputs: AttentionInputs) -> Tensor:
+        """Both streams in one launch, the query stream on its target rows only; the new rows of
+        both side by side, ``(B, L + P, d)``, content first. The projections, the output's dropout and
+        layer norm (and the layer's feed-forward, ``XLNetLayer``) run once over both streams' rows:
+        row-wise, the same values, with half the launches of a training step's forward and backward."""
+        k, v, k_r = self._keys(h, pos_emb, mems, inputs)
+        streams = torch.cat([h, g], dim=1)
+        q_h, q_g = self._project(streams, self.q).split([h.shape[1], g.shape[1]], dim=1)
+        attn_h, attn_g = rel_attention_two_stream(q_h, q_g, k, v, k_r, self.r_w_bias, self.r_r_bias,
+                                                  masks=inputs.joint, **self._op_options(inputs))
         attn_g, _ = _average_blocked_rows(attn_g, None, v, inputs.blocked_g)
-        return self.post_attention(h, attn_h), self.post_attention(g, attn_g), None
+        return self.post_attention(streams, torch.cat([attn_h, attn_g], dim=1))
 
     def _query_stream(self, g: Tensor, k, v, k_r, inputs: AttentionInputs, output_attentions: bool):
         """The query stream in a launch of its own; with a general ``target_mapping (B, P, L)`` its
@@ -114,14 +133,10 @@ class XLNetRelativeAttention(nn.Module):
                 inputs: AttentionInputs, output_attentions: bool = False):
         """h (B, L, d), g (B, P, d) or None, pos_emb (Br, R, d), mems (B, mlen, d) or None.
         Returns the new h, g and the attention probabilities (when asked for)."""
-        cat = h if mems is None else torch.cat([mems.to(h.dtype), h], dim=1)
-        k = self._project(cat, self.k)
-        v = self._project(cat, self.v)
-        k_r = self._project(pos_emb.to(self.r.dtype), self.r)
-        if inputs.k_r_index is not None:
-            k_r = k_r[inputs.k_r_index]
         if g is not None and inputs.joint is not None:
-            return self._two_streams(h, g, k, v, k_r, inputs)
+            out_h, out_g = self.joint_streams(h, g, pos_emb, mems, inputs).split([h.shape[1], g.shape[1]], dim=1)
+            return out_h, out_g, None
+        k, v, k_r = self._keys(h, pos_emb, mems, inputs)
         attn_h, prob_h = self._attend(self._project(h, self.q), k, v, k_r, inputs.content, inputs, output_attentions)
         out_h = self.post_attention(h, attn_h)
         if g is None:
@@ -153,5 +168,9 @@ class XLNetLayer(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, h, g, pos_emb, mems, inputs: AttentionInputs, output_attentions=False):
+        if g is not None and inputs.joint is not None:  # both streams' rows through one feed-forward
+            out = self.ff(self.rel_attn.joint_streams(h, g, pos_emb, mems, inputs))
+            h, g = out.split([h.shape[1], g.shape[1]], dim=1)
+            return h, g, None
         h, g, probs = self.rel_attn(h, g, pos_emb, mems, inputs, output_attentions)
         return self.ff(h), (self.ff(g) if g is not None else None), probs
