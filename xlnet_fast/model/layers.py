@@ -95,8 +95,9 @@ class XLNetRelativeAttention(nn.Module):
     def _keys(self, h: Tensor, pos_emb: Tensor, mems: Tensor | None, inputs: AttentionInputs):
         """k, v (B, mlen + L, H, D) from the memory and the content stream, k_r (Br, R, H, D)."""
         cat = h if mems is None else torch.cat([mems.to(h.dtype), h], dim=1)
-        k = self._project(cat, self.k)
-        v = self._project(cat, self.v)
+        # k and v in one product (one launch, one cast of its input under autocast): views of it
+        kv = torch.matmul(cat, torch.cat([self.k.flatten(1), self.v.flatten(1)], dim=1))
+        k, v = kv.unflatten(-1, (2, self.n_head, self.d_head)).unbind(-3)
         k_r = self._project(pos_emb.to(self.r.dtype), self.r)
         if inputs.k_r_index is not None:
             k_r = k_r[inputs.k_r_index]
