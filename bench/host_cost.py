@@ -45,7 +45,7 @@ from bench import runner
 
 RECORDS = "host_cost.json"
 # aten ops that run no kernel on a GPU: allocations and metadata (views are known by their schema)
-_NO_KERNEL = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
+_NO_KERNEL = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "_unsafe_view",
               "lift_fresh", "set_", "resize_", "_local_scalar_dense")
 _HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
 

@@ -176,8 +176,8 @@ def _pretraining_step_ops(n_layer: int) -> tuple[dict, dict]:
 def test_a_pretraining_layer_runs_both_streams_rows_through_one_feed_forward(gpu_like):
     """Both streams' rows go through a layer's query and output projections, its two layer norms and
     its feed-forward together (row-wise: the same values), not stream by stream: per layer 2 layer
-    norms, 2 linear layers and 4 projections forward (k and v in one, k_r, q, o), and 54 PyTorch ops forward
-    and backward in all (CPU's unfused dropout counted), where stream by stream made 107: each op
+    norms, 2 linear layers and 4 projections forward (k and v in one, k_r, q, o), and 50 PyTorch ops forward
+    and backward in all (CPU's unfused dropout counted), where stream by stream made 96: each op
     twice, and each weight's gradient summed over the streams. On a GPU's host each is a launch (~40 us
     on the H100: bench/NOTES.md)."""
     one, three = _pretraining_step_ops(1), _pretraining_step_ops(3)
