@@ -234,6 +234,33 @@ def test_the_patched_transformers_model_compiles():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("blocked", [False, True])
+def test_the_patched_model_averages_rows_that_see_no_key_only_when_there_are_some(monkeypatch, blocked):
+    """transformers gives a query-stream row that sees no key the mean of v (its -1e30 mask swamps the
+    scores); the patched model does the same in every layer (a mean and a select, forward and
+    backward), but only when a target row sees no key: the forward's one host read, that of whether
+    the target mapping is one-hot, answers that too. With such a row the loss is transformers'."""
+    from bench.host_cost import _CountOps
+    from helpers.models import hf_model, token_ids
+
+    ids = token_ids(B, L, seed=5)
+    g = torch.Generator().manual_seed(6)
+    perm_mask = (torch.rand(B, L, L, generator=g) < 0.5).float()
+    targets = torch.randperm(L, generator=g)[:P]
+    if blocked:
+        perm_mask[0, targets[0]] = 1.0  # the first target row of batch row 0 sees no key (no memory)
+    target_mapping = torch.zeros(B, P, L).scatter_(2, targets.expand(B, P)[..., None], 1.0)
+    inputs = dict(perm_mask=perm_mask, target_mapping=target_mapping, labels=ids[:, :P].contiguous())
+    expected = hf_model("XLNetLMHeadModel", seed=4)(ids, **inputs).loss
+    model = xlnet_fast.patch_transformers(hf_model("XLNetLMHeadModel", seed=4))
+    monkeypatch.setattr(op_args, "host_value_checks", lambda device: False)  # checks of values as on a GPU
+    with host_reads() as reads, _CountOps() as ops:
+        loss = model(ids, **inputs).loss
+    assert len(reads) == 1, reads  # whether the mapping is one-hot, and whether a target row sees no key
+    assert ops.ops.get("mean", 0) == (model.config.n_layer if blocked else 0), ops.ops
+    torch.testing.assert_close(loss, expected)
+
+
 @pytest.mark.parametrize("div_val", [1, 2])
 def test_transfo_xl_training_step_reads_the_host_once_per_adaptive_layer(gpu_like, div_val):
     """Transformer-XL's pretraining step (``pretrain.causal.CausalLMLoss``: memory, dropout, the

@@ -191,17 +191,22 @@ def _visibility(s: MaskSpec, device) -> _Visibility:
     return _Visibility(rank_q=rank_q, rank_k=with_memory(block_padding(rank_k, s.padding), s.mlen))
 
 
-def one_hot_targets(target_mapping: Tensor) -> Tensor | None:
-    """(B, P) target positions if ``target_mapping`` is one-hot rows (or empty rows, -1) with no
-    position targeted twice; else None. Decided on the device; the one host read of the forward that
-    gets transformers' dense ``target_mapping`` (the answer picks the launches)."""
+def one_hot_targets(target_mapping: Tensor, blocked_rows: Tensor | None = None) -> tuple[Tensor | None, bool | None]:
+    """``(target_pos, any_blocked)``: (B, P) target positions if ``target_mapping`` is one-hot rows
+    (or empty rows, -1) with no position targeted twice, else None; with ``blocked_rows (B, L)``
+    (positions whose query-stream row sees no key), whether a targeted position is one of them, else
+    None. Decided on the device and read together: the one host read of the forward that gets
+    transformers' dense ``target_mapping`` (the answers pick the launches)."""
     tm = target_mapping
     rows, cols = tm.sum(-1), tm.sum(-2)
-    one_hot = ((tm == 0) | (tm == 1)).all() & (rows <= 1).all() & (cols <= 1).all()
-    if not bool(one_hot):
-        return None
+    checks = [((tm == 0) | (tm == 1)).all() & (rows <= 1).all() & (cols <= 1).all()]
+    if blocked_rows is not None:
+        checks.append((blocked_rows & (cols > 0)).any())
+    answers = torch.stack(checks).tolist()
+    if not answers[0]:
+        return None, None
     pos = tm.argmax(-1)
-    return torch.where(rows > 0, pos, torch.full_like(pos, -1))
+    return torch.where(rows > 0, pos, torch.full_like(pos, -1)), (answers[1] if blocked_rows is not None else None)
 
 
 def _rows_without_keys(dense_g: Tensor | None, rank_q: Tensor | None, rank_k: Tensor | None) -> Tensor | None:
@@ -221,9 +226,11 @@ def _segments(s: MaskSpec) -> dict:
     return dict(q_seg=s.token_type_ids, k_seg=F.pad(s.token_type_ids, (s.mlen, 0)))
 
 
-def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec, device) -> None:
+def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec, device,
+                      any_blocked: bool | None = None) -> None:
     """The query stream on its target rows only: in the content stream's launch, or (``separate``)
-    in a launch of its own at ``q_pos = target_pos``."""
+    in a launch of its own at ``q_pos = target_pos``. ``any_blocked``: whether a target row sees no
+    key, where read already (False: no uniform average to take in every layer)."""
     rows = target_pos.long().clamp(min=0)
     K = s.mlen + s.seq_len
     dense_g = rank_q = None
@@ -233,7 +240,7 @@ def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Ten
         rank_q = vis.rank_q.gather(1, rows)
     if s.average_blocked_rows:
         blocked = _rows_without_keys(dense_g, rank_q, vis.rank_k)
-        inputs.blocked_g = None if blocked is None else blocked & (target_pos >= 0)
+        inputs.blocked_g = None if blocked is None or any_blocked is False else blocked & (target_pos >= 0)
     inputs.target_rows = target_pos.shape[1]
     segments = _segments(s)
     if not s.separate_query_launch:
@@ -274,11 +281,12 @@ def build_attention_inputs(s: MaskSpec, device) -> AttentionInputs:
     inputs = AttentionInputs(qlen=s.seq_len, content=None, has_segments=s.token_type_ids is not None)
     if s.bi_data:  # the second half of the rows reads the text backwards: the negated positions
         inputs.k_r_index = (torch.arange(s.batch, device=device) >= s.batch // 2).long()
-    target_pos = s.target_pos
+    target_pos, any_blocked = s.target_pos, None
     if target_pos is None and s.target_mapping is not None and not s.separate_query_launch:
-        target_pos = one_hot_targets(s.target_mapping)
+        blocked_rows = vis.dense_g.all(-1) if s.average_blocked_rows and vis.dense_g is not None else None
+        target_pos, any_blocked = one_hot_targets(s.target_mapping, blocked_rows)
     if target_pos is not None:
-        _query_on_targets(inputs, vis, target_pos, s, device)
+        _query_on_targets(inputs, vis, target_pos, s, device, any_blocked)
         return inputs
     inputs.content = _content(vis, s, device)
     if s.target_mapping is not None:
