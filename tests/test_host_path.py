@@ -132,23 +132,29 @@ def test_preparing_two_stream_masks_takes_at_most_66_launches():
     assert sum(ops.ops.values()) <= 66, ops.ops
 
 
+def pretraining_step(n_layer: int):
+    """(model, keyword inputs) of XLNet's pretraining step on the Triton path: ranks, target positions,
+    segments, memory, labels, dropout."""
+    c = XLNetConfig(**{**SMALL, "n_layer": n_layer, "dropout": 0.1, "mem_len": MLEN}, attn_backend="triton")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
+    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
+    target_pos = torch.randint(0, L, (B, P), generator=g)
+    mems = [torch.randn(MLEN, B, c.d_model) for _ in range(n_layer)]
+    return XLNetLMHeadModel(c).train(), dict(
+        input_ids=ids, q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
+        mems=mems, labels=ids.gather(1, target_pos), use_mems=True)
+
+
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_no_host_sync_in_a_pretraining_step(gpu_like, n_layer):
     """XLNet's pretraining forward and backward on the Triton path (ranks, target positions,
     segments, memory, labels, dropout) read no tensor on the host: not per layer (the op's position
     check, its dropout seed, the tables' build), not per forward (the token id and target position
     checks are assertions on the device). A read is a sync on a GPU and breaks CUDA-graph capture."""
-    c = XLNetConfig(**{**SMALL, "n_layer": n_layer, "dropout": 0.1, "mem_len": MLEN}, attn_backend="triton")
-    model = XLNetLMHeadModel(c).train()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
-    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
-    target_pos = torch.randint(0, L, (B, P), generator=g)
-    mems = [torch.randn(MLEN, B, c.d_model) for _ in range(n_layer)]
+    model, inputs = pretraining_step(n_layer)
     with host_reads() as reads:
-        out = model(ids, q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
-                    mems=mems, labels=ids.gather(1, target_pos), use_mems=True)
-        out.loss.backward()
+        model(**inputs).loss.backward()
     assert reads == []
     assert gpu_like.count("fwd") == n_layer  # one launch per layer for both streams
 
@@ -158,16 +164,9 @@ def _pretraining_step_ops(n_layer: int) -> tuple[dict, dict]:
     pretraining forward, and of its backward, on the Triton path with its launches counted."""
     from bench.host_cost import _CountOps
 
-    c = XLNetConfig(**{**SMALL, "n_layer": n_layer, "dropout": 0.1, "mem_len": MLEN}, attn_backend="triton")
-    model = XLNetLMHeadModel(c).train()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, c.vocab_size, (B, L), generator=g)
-    q_rank = torch.randint(0, L, (B, L), generator=g, dtype=torch.int32)
-    target_pos = torch.randint(0, L, (B, P), generator=g)
-    mems = [torch.randn(MLEN, B, c.d_model) for _ in range(n_layer)]
+    model, inputs = pretraining_step(n_layer)
     with _CountOps() as forward:
-        out = model(ids, q_rank=q_rank, k_rank=q_rank, target_pos=target_pos, token_type_ids=torch.zeros_like(ids),
-                    mems=mems, labels=ids.gather(1, target_pos), use_mems=True)
+        out = model(**inputs)
     with _CountOps() as backward:
         out.loss.backward()
     return forward.ops, backward.ops
