@@ -186,6 +186,43 @@ def test_a_pretraining_layer_runs_both_streams_rows_through_one_feed_forward(gpu
     assert total / 2 <= 60, (three, one)
 
 
+def test_under_autocast_the_relative_positions_are_cast_once_per_forward(monkeypatch):
+    """Every layer's k_r product takes pos_emb in the autocast dtype: the backbone casts it once (one
+    launch per forward, not one per layer), and the loss and gradients are those of autocast casting
+    it in every layer, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xlnet_fast.model import backbone
+
+    class PositionCasts(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.count = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket.__name__ == "_to_copy" and tuple(args[0].shape) == self.shape
+            return func(*args, **(kwargs or {}))
+
+    model, inputs = pretraining_step(3)
+    pos_shape = (1, MLEN + 2 * L, model.config.d_model)  # (Br, klen + qlen, d): relative positions
+
+    def step():
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        return loss, torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+
+    with PositionCasts(pos_shape) as casts:
+        loss, grads = step()
+    assert casts.count == 1
+    monkeypatch.setattr(backbone, "product_dtype", lambda weight: weight.dtype)  # autocast casts it per layer
+    with PositionCasts(pos_shape) as casts:
+        expected_loss, expected = step()
+    assert casts.count == 3  # the check above counts the right tensor
+    assert torch.equal(loss, expected_loss)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, expected))
+
+
 @pytest.mark.parametrize("backend", ["triton", "eager"])
 def test_a_training_step_with_dropout_compiles_to_one_graph(backend):
     """``torch.compile(model, fullgraph=True)`` traces XLNet's pretraining forward (two streams, ranks,

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..config import XLNetConfig
 from ..masks import AttentionInputs, MaskSpec, build_attention_inputs
 from .inputs import BackboneInputs, prepare_inputs
-from .layers import XLNetLayer
+from .layers import XLNetLayer, product_dtype
 from .outputs import XLNetModelOutput
 from .pretrained import XLNetPreTrainedModel
 
@@ -121,6 +121,8 @@ class XLNetModel(XLNetPreTrainedModel):
         if attention.has_query_stream:
             g = self.dropout(self.mask_emb.expand(a.batch, attention.target_rows, -1))
         pos_emb = self.dropout(self.relative_positional_encoding(a.seq_len, a.mlen + a.seq_len, device))
+        if len(self.layer):  # in the dtype every layer's k_r product takes it in: one cast, not one per layer
+            pos_emb = pos_emb.to(product_dtype(self.layer[0].rel_attn.r))
         out = self._run_layers(h, g, pos_emb, attention, a)
         return out if a.return_dict else out.to_tuple()
 

@@ -36,6 +36,15 @@ def activation(name):
     return _ACTIVATIONS[name]
 
 
+def product_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype a matrix product takes ``weight`` in: under ``torch.autocast`` on its device the
+    autocast dtype (autocast casts floating tensors but float64), else its own."""
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type) and weight.is_floating_point() and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
 def _average_blocked_rows(attn: Tensor, probs: Tensor | None, v: Tensor, blocked: Tensor | None):
     """Rows marked in ``blocked (B, M)`` attend uniformly to all K keys: transformers' result for a row
     that sees no key (its -1e30 mask swamps the scores); the op gives such rows zeros."""
@@ -98,7 +107,7 @@ class XLNetRelativeAttention(nn.Module):
         # k and v in one product (one launch, one cast of its input under autocast): views of it
         kv = torch.matmul(cat, torch.cat([self.k.flatten(1), self.v.flatten(1)], dim=1))
         k, v = kv.unflatten(-1, (2, self.n_head, self.d_head)).unbind(-3)
-        k_r = self._project(pos_emb.to(self.r.dtype), self.r)
+        k_r = self._project(pos_emb, self.r)  # pos_emb in the product's dtype (the backbone's cast)
         if inputs.k_r_index is not None:
             k_r = k_r[inputs.k_r_index]
         return k, v, k_r
