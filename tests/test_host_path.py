@@ -203,7 +203,8 @@ def test_under_autocast_the_relative_positions_are_cast_once_per_forward(monkeyp
             self.count += func.overloadpacket.__name__ == "_to_copy" and tuple(args[0].shape) == self.shape
             return func(*args, **(kwargs or {}))
 
-    model, inputs = pretraining_step(3)
+    model, inputs = pretraining_step(2)
+    model.config.attn_backend = "eager"  # the layers' code is the backends' (and the interpreter is slow)
     pos_shape = (1, MLEN + 2 * L, model.config.d_model)  # (Br, klen + qlen, d): relative positions
 
     def step():
@@ -218,7 +219,7 @@ def test_under_autocast_the_relative_positions_are_cast_once_per_forward(monkeyp
     monkeypatch.setattr(backbone, "product_dtype", lambda weight: weight.dtype)  # autocast casts it per layer
     with PositionCasts(pos_shape) as casts:
         expected_loss, expected = step()
-    assert casts.count == 3  # the check above counts the right tensor
+    assert casts.count == 2  # the check above counts the right tensor
     assert torch.equal(loss, expected_loss)
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(grads, expected))
 
