@@ -54,7 +54,10 @@ def test_the_readme_sets_up_a_venv_outside_the_checkout_then_two_commands():
     assert venv.startswith(("~/", "/", "../")), commands[1]  # outside the checkout (the mutation gate copies it)
     assert f"&& . {venv}/bin/activate" in commands[1]
     install, tests = commands[2:]  # after the clone and the venv: two commands
-    assert install.endswith("&& xlnet-fast pretrain --preset tiny") and tests == "python -m pytest -q"
+    assert install.endswith("&& xlnet-fast pretrain --preset tiny") and tests == "python -m pytest -q -n auto"
+    # CI runs that command (-n auto: one pytest-xdist worker per core, from the test extra)
+    assert '-m pytest -q -n auto -c "$CHECKOUT/pyproject.toml"' in (ROOT / ".ci" / "run").read_text()
+    assert re.search(r'test = \[[^]]*"pytest-xdist"', (ROOT / "pyproject.toml").read_text())
     # the CPU wheel from PyTorch's CPU index, at CI's pin
     pin = re.search(r"torch==([0-9.]+)", (ROOT / ".ci" / "run").read_text()).group(1)
     assert install.startswith(f"pip install torch=={pin} --index-url https://download.pytorch.org/whl/cpu && ")
