@@ -54,6 +54,13 @@ DS_ROW_ALIGN = 16
 # ``xlnet_fast_pointers`` benchmark provider, which times both paths on one GPU).
 TMA_ARCH_FAMILIES = (90,)
 TMA_LOADS = True
+# The deterministic dk_r kernel has a program per (tile of k_r rows, head), each summing over every
+# batch row sharing that k_r: 352 programs at B32 H16 512/384 on an H100's 264 resident blocks, two
+# waves for 1.33 of work (1.59 ms; bench/NOTES.md). The batch rows are split over more programs, up
+# to this many per multiprocessor (~4 waves at two resident blocks), each writing its own fp32
+# partial sums, added in a fixed order (``_dkr_splits``). Read when a call shape's plan is made.
+DKR_PROGRAMS_PER_SM = 8
+INTERPRETER_MULTIPROCESSORS = 1  # the interpreter's CPU "device" in that count
 
 
 @functools.cache
@@ -506,9 +513,10 @@ def _static_args(shape: _Shape) -> dict:
     dkr_rows = _dkr_rows(R, shape.qlen, K)
     dkr_elements = Br * R * H * D
     n_convert = triton.cdiv(dkr_elements, _operands.FINISH_BLOCK)
+    dkr_splits = _dkr_splits(B // Br, triton.cdiv(R, max(_tile_sizes("BLOCK_N"))) * Br * H, shape.device)
     static = dict(
         sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
-                   device=shape.device),
+                   dkr_rows=dkr_rows, dkr_splits=dkr_splits, device=shape.device),
         qops=dict(rows, qk_scale=shape.scale * LOG2E, **_strides("q", shape.q[4:]), **_strides("g", q_g)),
         fwd=dict(attn, TMA=shape.tma, keep_scale=_keep_scale(shape.dropout_p), stride_ob=out_strides[0],
                  stride_om=out_strides[1], stride_oh=out_strides[2],
@@ -524,7 +532,8 @@ def _static_args(shape: _Shape) -> dict:
                 # triton's interpreter has no descriptor reductions: its dk_r atomics are per element
                 TMA_REDUCE=shape.tma and not INTERPRETED),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
-                 batch_per_kr=B // Br, ds_pitch=0, FROM_DS=False),
+                 stride_dkrs=Br * dkr_rows * H * D if dkr_splits > 1 else 0, batch_per_kr=B // Br,
+                 batch_per_split=triton.cdiv(B // Br, dkr_splits), ds_pitch=0, FROM_DS=False),
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R,
                     M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, n_convert=n_convert,
                     SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
@@ -558,6 +567,19 @@ def _static_args(shape: _Shape) -> dict:
             static["dkr"].update(FROM_DS=True, ds_pitch=ds_pitch)
     _STATIC[shape] = static
     return static
+
+
+def _dkr_splits(batch_per_kr: int, programs: int, device_index: int | None) -> int:
+    """Into how many groups the deterministic dk_r kernel splits the ``batch_per_kr`` batch rows
+    sharing a k_r, for its ``programs`` unsplit programs (at the largest BLOCK_N) to reach
+    DKR_PROGRAMS_PER_SM per multiprocessor: a function of the shape and the device only, so the
+    order of its sums is too. No empty group."""
+    if device_index is None:
+        multiprocessors = INTERPRETER_MULTIPROCESSORS
+    else:
+        multiprocessors = torch.cuda.get_device_properties(device_index).multi_processor_count
+    wanted = max(1, min(batch_per_kr, triton.cdiv(DKR_PROGRAMS_PER_SM * multiprocessors, programs)))
+    return triton.cdiv(batch_per_kr, triton.cdiv(batch_per_kr, wanted))
 
 
 def _stored_ds_limit(device_index: int | None) -> int:
@@ -814,8 +836,14 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                    dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
                         DS=ds, n_gp=n_kv_tiles), deterministic)
     if deterministic:
-        _run("dkr" if ds_pitch else "dkr_recompute", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H), static,
-             dict(attn, **grad_io, DKR=dkr_sums, DS=ds), deterministic)
+        # each group of batch rows its own fp32 sums, then their sum in a fixed order (_dkr_splits)
+        splits = sz["dkr_splits"]
+        partials = dkr_sums if splits == 1 else torch.empty((splits, *dkr_sums.shape), dtype=torch.float32,
+                                                            device=device)
+        _run("dkr" if ds_pitch else "dkr_recompute", lambda meta: (triton.cdiv(R, meta["BLOCK_N"]), Br * H, splits),
+             static, dict(attn, **grad_io, DKR=partials, DS=ds), deterministic)
+        if splits > 1:
+            torch.sum(partials[:, :, :R], dim=0, out=dkr_sums[:, :R])
     # the gradients of k_r, the biases and seg_embed, each in its parameter's dtype
     grads = dict(DKR=torch.empty((Br, R, H, D), dtype=k_r.dtype, device=device),
                  DRW=torch.empty((H, D), dtype=r_w_bias.dtype, device=device),

@@ -953,8 +953,8 @@ def _bwd_q_kernel(
 def _bwd_kr_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DKR, DS,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
-    stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, batch_per_kr,
-    ds_pitch,
+    stride_mb, stride_mm, stride_dkrb, stride_dkrs, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold,
+    batch_per_kr, batch_per_split, ds_pitch,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, CHECK_R: tl.constexpr, PACKED_KEYS: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
@@ -962,9 +962,13 @@ def _bwd_kr_kernel(
 ):
     """Deterministic dk_r: one tile of BLOCK_N k_r rows owns its gradient and gets every dS tile
     that reads it (over the batch rows sharing this k_r, and all query tiles): recomputed, or with
-    ``FROM_DS`` read from DS (B*H, M, ds_pitch), where the dK/dV kernel stored them (``STORE_DS``)."""
+    ``FROM_DS`` read from DS (B*H, M, ds_pitch), where the dK/dV kernel stored them (``STORE_DS``).
+    The batch rows sharing a k_r are split over programs (axis 2): each writes the sum over its
+    ``batch_per_split`` rows to its own slice of DKR (``stride_dkrs`` apart), which the launcher
+    adds in a fixed order."""
     pid_c = tl.program_id(0)
     pid_brh = tl.program_id(1)
+    split = tl.program_id(2)
     br = (pid_brh // H).to(tl.int64)
     h = pid_brh % H
     c0 = pid_c * BLOCK_N
@@ -972,7 +976,8 @@ def _bwd_kr_kernel(
     d_ok = offs_d < HEAD_DIM
     seed = _load_seed(SEED, DROPOUT)
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for bi in range(0, batch_per_kr):
+    first_bi = split * batch_per_split
+    for bi in range(first_bi, tl.minimum(first_bi + batch_per_split, batch_per_kr)):
         b = br * batch_per_kr + bi
         pid_bh = (b * H + h).to(tl.int32)
         bh_rows = pid_bh.to(tl.int64) * M
@@ -1013,7 +1018,8 @@ def _bwd_kr_kernel(
                                      TRANSPOSED=True, ROW_MAJOR=FROM_DS)
                 acc = tl.dot(dsc_t.to(DOT_DTYPE), query.q_r, acc, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
-    tl.store(DKR + br * stride_dkrb + h * HEAD_DIM + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
+    dkr_base = DKR + split.to(tl.int64) * stride_dkrs + br * stride_dkrb + h * HEAD_DIM
+    tl.store(dkr_base + c_rows[:, None].to(tl.int64) * (H * HEAD_DIM) + offs_d[None, :],
              acc, mask=(c_rows < R)[:, None] & d_ok[None, :])
 
 

@@ -124,6 +124,64 @@ def test_kept_ds_is_bounded_by_a_share_of_the_gpu_memory(total_gb, expected, mon
         assert 4 * 16 * 4096 * 4480 * 2 <= kernels._stored_ds_limit(0) < 16 * 16384 * 16768 * 2
 
 
+def test_deterministic_dk_r_splits_fill_the_gpu_without_an_empty_group(monkeypatch):
+    """``_dkr_splits``: the deterministic dk_r kernel's batch rows split until DKR_PROGRAMS_PER_SM
+    programs per multiprocessor, never into an empty group, and not at all where the programs
+    already fill the device or one batch row shares its k_r."""
+    from types import SimpleNamespace
+
+    from xlnet_fast import kernels
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(multi_processor_count={0: 132, 1: 78}[index]))
+    monkeypatch.setattr(kernels, "DKR_PROGRAMS_PER_SM", 8)
+    # an H100 (132 SMs), B32 H16 512/384: 1408 k_r rows, 11 programs a head at BLOCK_N 128
+    assert kernels._dkr_splits(32, 11 * 16, 0) == 6
+    assert kernels._dkr_splits(1, 11 * 16, 0) == 1  # 1x16 8192: one batch row
+    assert kernels._dkr_splits(32, 8 * 132, 0) == 1  # already 8 programs per SM
+    assert kernels._dkr_splits(8, 5 * 12, 1) == 8  # B8 H12 on 78 SMs: one batch row a program
+    for batch_per_kr in range(1, 40):
+        for programs in (1, 7, 100, 2000):
+            splits = kernels._dkr_splits(batch_per_kr, programs, 0)
+            per_split = math.ceil(batch_per_kr / splits)
+            assert 1 <= splits <= batch_per_kr and (splits - 1) * per_split < batch_per_kr
+
+
+def test_deterministic_dk_r_split_over_batch_rows_matches_eager(monkeypatch):
+    """The deterministic dk_r kernel's programs each sum a group of the batch rows sharing k_r, the
+    groups' sums added after (``_dkr_splits``): 3 rows in groups of 2 and 1, reading the stored dS
+    and recomputing it, against the float64 eager path; a second call bitwise the same, and the
+    unsplit kernel's dk_r within fp32 rounding."""
+    from xlnet_fast import kernels
+
+    case = make_case(B=3, M=20, H=1, D=16, mlen=5, dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    k_r = GRAD_NAMES.index("k_r")
+    torch.use_deterministic_algorithms(True)
+    try:
+        for limit in (kernels.STORED_DS_BYTES, 0):
+            monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
+            found = {}
+            # 3 programs unsplit (45 k_r rows at the interpreter's BLOCK_N 16, 1 head): 6 per SM
+            # wants 2 groups of batch rows
+            for per_sm in (1, 6, 6)[limit == 0:]:
+                monkeypatch.setattr(kernels, "DKR_PROGRAMS_PER_SM", per_sm)
+                kernels.clear_launches()
+                found.setdefault(per_sm, []).append(grads(triton_attention, case, dout))
+                assert {plan["sizes"]["dkr_splits"] for plan in kernels._STATIC.values() if "gops" in plan} == {
+                    1 if per_sm == 1 else 2}
+            (out, g), (_, g_again) = found[6]
+            assert rel(out, ref_out) < 1e-5
+            assert_grads_match(g, g_ref)
+            assert torch.equal(g[k_r], g_again[k_r])
+            if 1 in found:
+                assert rel_err(g[k_r], found[1][0][1][k_r], floor=1e-12) < 1e-6
+    finally:
+        torch.use_deterministic_algorithms(False)
+        kernels.clear_launches()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES) + ["dropout"])
 def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, deterministic, monkeypatch):
