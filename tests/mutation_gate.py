@@ -117,6 +117,11 @@ MUTATIONS = (
     Mutation("triton_backward_lse", "kernels/operands.py", "lse * LOG2E - e_same", "lse * LOG2E",
              (f"{TRITON_MODELS}::test_xlnet_two_stream_training_step_on_triton",),
              "the backward's lse without its same-segment term"),
+    Mutation("triton_dkr_group_ignored", "kernels/rel_attention.py",
+             "for bi in range(first_bi, tl.minimum(first_bi + batch_per_split, batch_per_kr)):",
+             "for bi in range(0, batch_per_kr):",
+             ("tests/test_triton_kernels.py::test_deterministic_dk_r_split_over_batch_rows_matches_eager",),
+             "each of the deterministic dk_r kernel's groups of batch rows sums every batch row"),
     Mutation("patch_falls_back_on_mems", "xlnet_fast/hf_patch.py",
              "prepared = ours.prepare_inputs(**arguments, **extensions)",
              "prepared = ours.prepare_inputs(**arguments, **extensions, "
