@@ -47,8 +47,10 @@ def by(records, **match):
 def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # The dry run takes ~85 s alone. The budget only caps each step's share, so a generous one costs no time,
+    # while 3 min gave the env step 4.9 s and CI's loaded workers (pytest -n auto) then cut it.
     proc = subprocess.run([sys.executable, "-m", "bench.campaign", "--cpu-dry-run", "--out", str(out), "--budget-min",
-                           "3", "--sweep-D", "8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "12", "--sweep-D", "8"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in out.iterdir()} == ALL_FILES  # no temporary file left
     records = [json.loads(line) for line in (out / campaign.RECORDS_FILE).read_text().splitlines()]
