@@ -182,6 +182,32 @@ def test_deterministic_dk_r_split_over_batch_rows_matches_eager(monkeypatch):
         kernels.clear_launches()
 
 
+def test_deterministic_dk_r_from_stored_ds_covers_query_tiles_spanning_many_key_tiles():
+    """The deterministic dk_r kernel reading the stored dS, on query tiles whose rows spread over many
+    positions (the query stream's scattered targets): target rows 5 positions apart, so that a tile
+    of 16 spans ~80 positions and its keys reach a k_r tile from 6 key tiles of 16, where the
+    content stream's tiles reach it from 2 or 3; against the float64 eager path."""
+    from xlnet_fast import kernels
+    from xlnet_fast.kernels import rel_attention as rk
+
+    qlen, targets, tile = 120, 24, rk.INTERPRETER_TILES["BLOCK_N"]
+    q_pos = torch.arange(0, qlen, qlen // targets)[None, :].repeat(2, 1)
+    q_pos[1, -3:] = -1  # padding rows
+    case = make_case(B=2, M=targets, qlen=qlen, H=1, D=16, mlen=6, mask="rank", self_visible=False, q_pos=q_pos,
+                     dtype=torch.float32).to(device=DEVICE)
+    # the keys one row tile reaches in a k_r tile: tile + (its position span), over 3 key tiles
+    assert tile + int(q_pos[0, tile - 1] - q_pos[0, 0]) > 3 * tile
+    dout = torch.randn(case.q.shape, device=DEVICE)
+    torch.use_deterministic_algorithms(True)
+    try:
+        kernels.clear_launches()
+        assert_matches_eager(case, dout)
+        assert ds_plans("dkr") == {True}
+    finally:
+        torch.use_deterministic_algorithms(False)
+        kernels.clear_launches()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("name", sorted(CASES) + ["dropout"])
 def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, deterministic, monkeypatch):
