@@ -193,6 +193,40 @@ def test_smem_traffic_follows_lane_addresses_placed_by_tables_and_guards():
                              params, memory([0] * 64), 64, program) is None  # no MMA: no key loop
 
 
+def test_smem_traffic_follows_table_values_unpacked_from_wider_loads():
+    """Regression: a 16-bit table read as 32-bit words and split by ``mov.b32 {lo, hi}`` (the dQ
+    kernel's column numbers) left the lanes' addresses unknown, counted conflict-free. Each lane
+    here stores at 128 B times the high half of its word (unpacked) and at 4 B times the two halves
+    packed back in the other order, so the counts depend on both moves."""
+    import numpy as np
+
+    unpacked = _PTX.replace(
+        "\tsetp.lt.u32 \t%p2, %r1, 16;",
+        "\tmov.b32 \t{%rs1, %rs2}, %r2;\n\tcvt.u32.u16 \t%r35, %rs2;\n\tshl.b32 \t%r36, %r35, 7;\n"
+        "\tmov.b32 \t%r37, {%rs2, %rs1};\n\tshl.b32 \t%r38, %r37, 2;\n\tsetp.lt.u32 \t%p2, %r1, 16;"
+    ).replace("ld.global", "ld.global", 1).replace("@%p3 ld.global", "ld.global").replace(
+        "\tst.shared.b32 \t[%r5], %r1;",
+        "\tst.shared.b32 \t[%r5], %r1;\n\tst.shared.b32 \t[%r36+20480], %r1;\n\tst.shared.b32 \t[%r38+24576], %r1;")
+    assert unpacked.count("[%r36+20480]") == 1 and "{%rs2, %rs1}" in unpacked
+    unpacked = unpacked.replace(".reg .b64", ".reg .b16 \t%rs<4>;\n\t.reg .b64")
+
+    def read(table):
+        def memory(addresses, known, width):
+            index = (addresses - (1 << 36)) // 4
+            ok = known & (index >= 0) & (index < len(table))
+            return np.where(ok, np.asarray(table, np.int64)[np.clip(index, 0, len(table) - 1)], 0), ok
+        return memory
+
+    params, program = {0: (1 << 36, True), 1: (8, True)}, [((0, 0, 0), (1, 1, 1))]
+    table = read([(t << 16) | 1 for t in range(64)])  # lane t's word: high half t, low half 1
+    base = sass.smem_traffic(_PTX.replace("@%p3 ld.global", "ld.global"), params, table, 64, program)
+    found = sass.smem_traffic(unpacked, params, table, 64, program)
+    assert found["unresolved"] == 0
+    # the high half, t: 128 B apart, one bank (32 wavefronts a warp); packed back as (t | 1 << 16) * 4 B:
+    # 4 B apart (1 a warp). With the halves' order swapped in both moves: a broadcast and 4 B apart.
+    assert found["by_kind"]["sts"][1] == base["by_kind"]["sts"][1] + 2 * 32 + 2 * 1
+
+
 def test_the_analysis_cache_changes_with_the_launchers_tables(monkeypatch):
     """Regression: a cache entry is named by its binary, but the shared-memory count places the
     skew's lanes by the row tables the launcher builds; a change to how the tables are built (the

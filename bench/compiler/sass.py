@@ -579,8 +579,21 @@ def _execute(state: _Threads, op: PtxOp, active) -> None:
             _reduce_warp(state, op, active)
         elif floating or name not in _INTEGER_OPS:
             state.set(dest, 0, False, active)
+        elif name == "mov" and dest.startswith("{"):  # unpack: the source's low bits to the first part
+            parts_ = _split_args(dest.strip("{} "))
+            v, k = val(1, sign=False)
+            width = bits // len(parts_)
+            for i, part in enumerate(parts_):
+                out((v >> (i * width)) & ((1 << width) - 1), k, width, part)
+        elif name == "mov" and args[1].startswith("{"):  # pack: the first part to the low bits
+            parts_ = _split_args(args[1].strip("{} "))
+            width, packed, known = bits // len(parts_), 0, True
+            for i, part in enumerate(parts_):
+                v, k = state.get(part)
+                packed, known = packed | ((v & ((1 << width) - 1)) << (i * width)), known & k
+            out(packed, known)
         elif name == "mov":
-            v, k = state.get(args[1]) if not args[1].startswith("{") else (0, False)
+            v, k = state.get(args[1])
             out(v, k)
         elif name in ("add", "sub", "mul", "mad", "min", "max"):
             if name == "mul" and "wide" in parts:
