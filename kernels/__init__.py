@@ -528,7 +528,7 @@ def _static_args(shape: _Shape) -> dict:
         # went 180 -> 300 B of spill
         dkdv=dict(attn, n_n_tiles=n_n_tiles, ds_pitch=0, STORE_DS=False, PACKED_KEYS=False),
         dq=dict(attn, stride_dkrb=dkr_rows * H * D if Br > 1 else 0, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
-                ds_pitch=0, FROM_DS=False, TMA=shape.tma, n_dkr_rows=dkr_rows,
+                ds_pitch=0, FROM_DS=False, LOAD_COLUMNS=False, TMA=shape.tma, n_dkr_rows=dkr_rows,
                 # triton's interpreter has no descriptor reductions: its dk_r atomics are per element
                 TMA_REDUCE=shape.tma and not INTERPRETED),
         dkr=dict({n: val for n, val in attn.items() if n != "BANDED_ONLY"}, stride_dkrb=dkr_rows * H * D if Br > 1 else 0,
@@ -563,7 +563,9 @@ def _static_args(shape: _Shape) -> dict:
         ds_pitch = triton.cdiv(K, DS_ROW_ALIGN) * DS_ROW_ALIGN
         if B * H * M * ds_pitch * _dot_torch_dtype(shape.dtype).itemsize <= _stored_ds_limit(shape.device):
             static["dkdv"].update(STORE_DS=True, ds_pitch=ds_pitch)
-            static["dq"].update(FROM_DS=True, ds_pitch=ds_pitch)
+            static["dq"].update(FROM_DS=True, ds_pitch=ds_pitch,
+                                LOAD_COLUMNS=_loads_column_numbers(shape.arch, shape.grads[3],
+                                                                   _dot_torch_dtype(shape.dtype).itemsize))
             static["dkr"].update(FROM_DS=True, ds_pitch=ds_pitch)
     _STATIC[shape] = static
     return static
@@ -580,6 +582,32 @@ def _dkr_splits(batch_per_kr: int, programs: int, device_index: int | None) -> i
         multiprocessors = torch.cuda.get_device_properties(device_index).multi_processor_count
     wanted = max(1, min(batch_per_kr, triton.cdiv(DKR_PROGRAMS_PER_SM * multiprocessors, programs)))
     return triton.cdiv(batch_per_kr, triton.cdiv(batch_per_kr, wanted))
+
+
+def _loads_column_numbers(arch: int | None, deterministic: bool, itemsize: int) -> bool:
+    """Whether the dQ kernel reading the kept dS (of ``itemsize``-byte elements) loads its unskew's
+    column numbers (``_tile_columns``; always in the interpreter, which checks both ways): where the
+    compile records show it pays, with 16-bit dS on sm_90 (64x64w4s2r168: 48 -> 44 B-eq/score) and
+    sm_100 (64x64w8s2: 50 -> 40), but not in sm_100's deterministic dQ, which then keeps the loaded
+    index in registers (100 -> 155, half the resident warps). The mma.sync GPUs' 32-column tiles
+    lose (their gather's reads conflict more; sm_80's spill-free D=128 builds spilled), and so does
+    fp32 dS (sm_90 64x64w4s2: 228 -> 271 B-eq): bench/NOTES.md."""
+    if arch is None:
+        return True
+    family = _k.arch_family(arch)
+    return itemsize == 2 and (family == 90 or (family == 100 and not deterministic))
+
+
+_COLUMN_NUMBERS: dict = {}
+
+
+def _column_numbers(device) -> torch.Tensor:
+    """int16 0, 1, ..., ``COLUMN_NUMBERS`` of them, on ``device`` (made once per device): where the
+    dQ kernel reads a tile's column numbers from (``_tile_columns``)."""
+    table = _COLUMN_NUMBERS.get(device)
+    if table is None:
+        table = _COLUMN_NUMBERS[device] = torch.arange(_k.COLUMN_NUMBERS.value, dtype=torch.int16, device=device)
+    return table
 
 
 def _stored_ds_limit(device_index: int | None) -> int:
@@ -834,7 +862,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     dq_role = "dq" if ds_pitch else "dq_recompute"
     q_tiles = _run(dq_role, lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
                    dict(attn, **grad_io, DQ=dq, DKR=dkr_sums, PART=part, GP=g_parts, G=g_diff, SEGD=seg_delta,
-                        DS=ds, n_gp=n_kv_tiles), deterministic)
+                        DS=ds, COLUMNS=_column_numbers(device), n_gp=n_kv_tiles), deterministic)
     if deterministic:
         # each group of batch rows its own fp32 sums, then their sum in a fixed order (_dkr_splits)
         splits = sz["dkr_splits"]

@@ -545,6 +545,24 @@ def _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m_start, n0, keep_threshold,
         return prob, prob * (dp - delta[:, None])
 
 
+COLUMN_NUMBERS = tl.constexpr(128)  # the length of ``_tile_columns``' table: the largest BLOCK_N
+
+
+@triton.jit
+def _tile_columns(COLUMNS, LOADED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Column numbers 0 .. BLOCK_N - 1 for a (BLOCK_M, BLOCK_N) index: ``LOADED``, read from
+    COLUMNS (int16 0, 1, ..., COLUMN_NUMBERS of them) rather than made by ``tl.arange``. The
+    layout triton gives a load holds 8 consecutive columns of a row in each thread, and a gather's
+    output keeps its index's layout: a gathered tile then goes to shared memory (the next product's
+    operand) in 16-byte stores instead of 2-byte ones (sm_90 dQ: 48 -> 44 B-eq/score; bench/NOTES.md).
+    Each row reads the same BLOCK_N values: one cache line's worth, once per program."""
+    if LOADED:
+        tl.static_assert(BLOCK_N <= COLUMN_NUMBERS)
+        return tl.load(COLUMNS + (tl.arange(0, BLOCK_N)[None, :] + tl.zeros((BLOCK_M, 1), tl.int32))).to(tl.int32)
+    else:
+        return tl.arange(0, BLOCK_N)[None, :]
+
+
 @triton.jit
 def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  ROW_MAJOR: tl.constexpr = False):
@@ -782,7 +800,7 @@ def _bwd_kv_kernel(
 
 @triton.jit
 def _bwd_q_kernel(
-    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, GP, G, SEGD, DS,
+    QW, QR, E, ROWS, K, V, KR, KEYS, MASK, DO, LSE2, DELTA, DQ, DKR, PART, GP, G, SEGD, DS, COLUMNS,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
     stride_mb, stride_mm, stride_dkrb, H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, n_m_tiles,
     n_n_tiles, n_gp, ds_pitch,
@@ -791,7 +809,7 @@ def _bwd_q_kernel(
     DROPOUT: tl.constexpr, DKR_ATOMIC: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     NUM_WARPS: tl.constexpr, FROM_DS: tl.constexpr = False, TMA: tl.constexpr = False,
-    TMA_REDUCE: tl.constexpr = False, n_dkr_rows=0,
+    TMA_REDUCE: tl.constexpr = False, LOAD_COLUMNS: tl.constexpr = False, n_dkr_rows=0,
 ):
     """One query tile: dQ over all key tiles, dk_r by fp32 atomics (DKR_ATOMIC) into DKR
     (Br, R, H, D) contiguous (``stride_dkrb`` 0 when k_r is shared by the batch), and this tile's
@@ -800,7 +818,8 @@ def _bwd_q_kernel(
     (B*H, n_n_tiles, M), of which it filled the first n_gp tiles, summed here and written to G (B, H, M).
     Gradients here are with respect to the log2-domain operands; the launcher applies the scale.
     ``FROM_DS``: the dS tiles the dK/dV kernel stored (its ``STORE_DS``) are read from DS instead of
-    recomputed (the scores, their softmax and dP: three of the loop's six products)."""
+    recomputed (the scores, their softmax and dP: three of the loop's six products). ``LOAD_COLUMNS``
+    (with ``FROM_DS``): the unskew's column numbers read from COLUMNS (``_tile_columns``)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -859,8 +878,9 @@ def _bwd_q_kernel(
             raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
         ds_prev = tl.zeros((BLOCK_M, BLOCK_N), DOT_DTYPE)
         # a loaded dS tile flattens row-major, a recomputed one (an MMA result) bank-spread
-        unskew_idx = tl.reshape(_flat_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :],
-                                            BLOCK_N - lag[:, None], 2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
+        columns = _tile_columns(COLUMNS, FROM_DS and LOAD_COLUMNS, BLOCK_M, BLOCK_N)
+        unskew_idx = tl.reshape(_flat_index(tl.arange(0, BLOCK_M)[:, None], columns, BLOCK_N - lag[:, None],
+                                            2 * BLOCK_N, FROM_DS), [BLOCK_M * BLOCK_N])
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA).to(DOT_DTYPE)
             if not (FROM_DS and RELOAD_KR):  # reading dS, the upper half would only be carried: not read

@@ -85,10 +85,13 @@ def test_a_layer_call_makes_at_most_4_launches_forward_and_10_with_backward(gpu_
     and seg_embed in two passes: forward = the dropout seed's draw, the query operands, the forward
     kernel; backward = the query operands again (kept, they would cost 2x q's memory per layer), dO's
     operands (which also clear dk_r's sums), dK/dV and its segment fix-up, dQ, the sums per batch row
-    and head (with dk_r's conversion), their sum per head."""
+    and head (with dk_r's conversion), their sum per head. Counted at the second call: the first
+    on a device also makes the dQ kernel's column numbers (``kernels._column_numbers``, once per device)."""
     from bench.host_cost import _CountOps
 
     call, leaves, upstream = layer_call()
+    torch.autograd.grad(call(), leaves, upstream)
+    del gpu_like[:]
     with _CountOps() as ops:
         outputs = call()
     forward = gpu_like + [f"torch.{name}" for name, n in ops.ops.items() for _ in range(n)]

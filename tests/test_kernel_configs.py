@@ -17,6 +17,9 @@ def test_every_arch_and_kernel_has_banded_candidates(arch, role):
     names = [ra.config_name(c) for c in configs]
     assert len(configs) >= 2 and len(set(names)) == len(names)
     assert all(c.kwargs["BLOCK_M"] <= c.kwargs["BLOCK_N"] for c in configs)  # banded tiles need it
+    # the dQ kernel reads a tile's column numbers from a table of COLUMN_NUMBERS (a static assert,
+    # which only a compile for a GPU would reach)
+    assert all(c.kwargs["BLOCK_N"] <= ra.COLUMN_NUMBERS for c in configs)
     assert set(names) <= {ra.config_name(c) for c in ra.all_configs()}  # the autotuners know them
 
 

@@ -240,6 +240,29 @@ def test_dq_and_dk_r_from_stored_ds_and_recomputed_both_match_eager(name, determ
         assert_grads_match(g_s, g_r, tol=1e-5)
 
 
+@pytest.mark.parametrize("loads", [False, True])
+def test_dq_from_stored_ds_with_its_column_numbers_loaded_or_made(loads, monkeypatch):
+    """The dQ kernel reading the kept dS takes its unskew's column numbers from a table (a load's
+    layout: 16-byte stores of the gathered tile) on sm_90 and sm_100, and makes them elsewhere:
+    both against the float64 eager path."""
+    from xlnet_fast import kernels
+
+    # which GPUs load them (the compile records): sm_90, and sm_100 but not in its deterministic
+    # backward, with 16-bit dS
+    assert [kernels._loads_column_numbers(arch, det, 2) for arch, det in (
+        (90, True), (100, False), (100, True), (103, True), (80, False), (89, False), (120, False))] == [
+        True, True, False, False, False, False, False]
+    assert not kernels._loads_column_numbers(90, False, 4)
+    monkeypatch.setattr(kernels, "_loads_column_numbers", lambda arch, deterministic, itemsize: loads)
+    case = make_case(**CASES["target_rows_with_padding"], dtype=torch.float32).to(device=DEVICE)
+    kernels.clear_launches()
+    try:
+        assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+        assert {plan["dq"]["LOAD_COLUMNS"] for plan in kernels._STATIC.values() if plan["dq"]["FROM_DS"]} == {loads}
+    finally:
+        kernels.clear_launches()
+
+
 def tma_plans(role: str) -> set:
     """Whether kernel ``role`` read its tiles through tensor descriptors, per plan made since the last
     ``clear_launches``."""

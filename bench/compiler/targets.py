@@ -100,11 +100,9 @@ SHORTFALLS: dict = {
         # did not (+7.4), so its ratio rose 1.34 -> 1.37x. sm_90 D=128's wgmma forward is the best again
         # (64x64w4s1, 16 B of spill with dropout): its mma.sync entry fell away
         (90, 64, "fwd"): {"dropout": 1.4},
-        # Past D=64 the dQ kernel reading dS through descriptors reads k_r's lower half again rather
-        # than carry it (bench/NOTES.md, "dQ reads k_r again"): sm_90 D=128's 32x64w4s1 80 -> 0 B of
-        # spill, its best spill-free dQ (0.89x, was 32x32w4s1 at 1.38x): wgmma for dk_r's product
-        # (64 window rows), mma.sync for dQ's (32 query rows), and mma.sync alone in deterministic mode
-        (90, 128, "dq"): {"mma": "mma.sync/wgmma"},
+        # (sm_90 D=128's dQ reading dS: wgmma met since 2026-11-28, its column numbers loaded: 64x64w4s1
+        # went 236 -> 0 B of spill, its best spill-free build, wgmma for every product; it was
+        # 32x64w4s1, mma.sync for dQ's 32-row product)
         # The own key compared as a column of the tile (bench/NOTES.md, "Conflict-free skew reads"):
         # forwards without dropout got cheaper and dropout's instructions did not, so sm_120's best
         # spill-free forward (32x64w4s1r255) goes 1.43-1.44 -> 1.47x; sm_100 D=128's recomputing dQ
@@ -141,12 +139,14 @@ PREDICTED_CEILINGS: dict = {
         # step; R4's, before R6):
         (80, 64, "fwd"): 2.45,  # 2.33 (2.41 before the packed keys; 2.6; the same)
         (80, 64, "dkdv"): 1.9,  # 1.81 (1.87; 1.88)
-        (80, 64, "dq"): 2.54,  # 2.42 (the same)
+        (80, 64, "dq"): 2.54,  # 2.46 (2026-11-28: column numbers loaded, the target rows' gather conflicts
+        # more; 2.42 before)
         (80, 64, "dq_recompute"): 5.7,  # 5.43 (5.56; the same)
         (90, 64, "fwd"): 3.26,  # 3.10 at 64x64w4s2 (3.25 before the packed keys; 3.64; 3.27 before TMA's
         # fills counted; 3.89 before step 4; 5.73 at 64x64w4s1r168 before R6)
         (90, 64, "dkdv"): 2.72,  # 2.59 (2.67)
-        (90, 64, "dq"): 3.56,  # 3.39 (3.05 before TMA's fills counted; 3.37 before step 4; 4.24)
+        (90, 64, "dq"): 3.19,  # 3.04 (2026-11-28: column numbers loaded; 3.39 before; 3.05 before TMA's
+        # fills counted; 3.37 before step 4; 4.24)
         (90, 64, "dq_recompute"): 7.47,  # 7.11 (7.54; 12.68)
     },
     "3.9": {  # CI's compile of sm_80 and sm_90 (2026-11-27 evening, R6; TMA's fills counted);
