@@ -139,8 +139,7 @@ PREDICTED_CEILINGS: dict = {
         # step; R4's, before R6):
         (80, 64, "fwd"): 2.45,  # 2.33 (2.41 before the packed keys; 2.6; the same)
         (80, 64, "dkdv"): 1.9,  # 1.81 (1.87; 1.88)
-        (80, 64, "dq"): 2.54,  # 2.46 (2026-11-28: column numbers loaded, the target rows' gather conflicts
-        # more; 2.42 before)
+        (80, 64, "dq"): 2.54,  # 2.42 (the same)
         (80, 64, "dq_recompute"): 5.7,  # 5.43 (5.56; the same)
         (90, 64, "fwd"): 3.26,  # 3.10 at 64x64w4s2 (3.25 before the packed keys; 3.64; 3.27 before TMA's
         # fills counted; 3.89 before step 4; 5.73 at 64x64w4s1r168 before R6)
