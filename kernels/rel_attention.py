@@ -10,7 +10,9 @@ Per (query tile, key tile) the score tile is built in registers and never writte
   ``i * 2*BLOCK_N + (qlen + j - p_i - w0)``: the original reshape ``rel_shift`` as an index identity.
   One 1-D ``tl.gather`` on the flattened window reads it through shared memory straight into the
   accumulator's layout (a 2-D gather along rows would be re-laid out through shared memory and back).
-  The window is flattened in an order that spreads its rows over the banks (``_flatten_window``);
+  The window is flattened in an order that spreads its rows over the banks (``_flatten_window``).
+  With 16-bit inputs the window is rounded to bf16 first (``_skew_window``): bd is the bf16 value
+  of its fp32 product, as transformers' products under autocast;
 * segment term — two per-row scalars ``(q + r_s_bias) . seg_embed[0/1]`` picked by segment equality;
 * masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
   bool tile, padding rows (negative position), k_r rows past the end ("uni").
@@ -141,51 +143,59 @@ def _query_tile(QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen,
 # it back per element. Stored row after row, a window's rows are a multiple of 128 B apart, so the
 # rows one warp stores at once (an MMA accumulator's lane quad holds 8 consecutive columns of a
 # row; a warp, 8 rows) all fall in the same banks: 4-way conflicts for fp32, 8-way for 16-bit. The
-# windows are flattened instead as (row // 4, column // 8, row % 4, column % 8): four rows' groups
-# of 8 columns side by side. fp32 stores are then conflict-free (16 lanes write 4 rows x 32 B), 16-bit
-# stores and the skewed reads conflict at most 2-way (bench/NOTES.md, kernel v4). That is for windows
-# of MMA results. A tile loaded from memory (the stored dS) comes in a layout where a thread holds 8
-# consecutive columns of a row and 8 threads a row's 64: row-major, its 16-byte stores and the dQ
+# windows are flattened instead as (row // G, column // 8, row % G, column % 8): G rows' groups of 8
+# columns side by side, G rows of 8 columns making 128 bytes: G = 4 for fp32 (WINDOW_ROWS), 8 for
+# 16-bit elements (HALF_WINDOW_ROWS). A warp's stores and its skewed reads of 8 rows then fall in
+# distinct banks (bench/NOTES.md, kernel v4; 16-bit windows in 4-row groups conflicted 2-way). That
+# is for windows of MMA results. A tile loaded from memory (the stored dS) comes in a layout where a
+# thread holds 8 consecutive columns of a row and 8 threads a row's 64: row-major, its 16-byte stores and the dQ
 # kernel's gather (along a row's columns) are conflict-free; in the order above both went 4-way
 # (bench/NOTES.md, kernel v4 step 3).
 WINDOW_ROWS = tl.constexpr(4)
+HALF_WINDOW_ROWS = tl.constexpr(8)
 WINDOW_COLS = tl.constexpr(8)
 WINDOW_SHIFT = tl.constexpr(3)  # log2(WINDOW_COLS)
 
 
 @triton.jit
-def _flatten_window(window, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """A (ROWS, COLS) window as the 1-D tensor ``_window_index`` addresses."""
-    grouped = tl.reshape(window, [ROWS // WINDOW_ROWS, WINDOW_ROWS, COLS // WINDOW_COLS, WINDOW_COLS])
+def _flatten_window(window, ROWS: tl.constexpr, COLS: tl.constexpr, HALF: tl.constexpr = False):
+    """A (ROWS, COLS) window as the 1-D tensor ``_window_index`` addresses: groups of WINDOW_ROWS
+    rows, of HALF_WINDOW_ROWS for 16-bit elements (HALF)."""
+    GROUP_ROWS: tl.constexpr = HALF_WINDOW_ROWS if HALF else WINDOW_ROWS
+    grouped = tl.reshape(window, [ROWS // GROUP_ROWS, GROUP_ROWS, COLS // WINDOW_COLS, WINDOW_COLS])
     return tl.reshape(tl.permute(grouped, (0, 2, 1, 3)), [ROWS * COLS])
 
 
 @triton.jit
-def _window_row(row, COLS: tl.constexpr):
+def _window_row(row, COLS: tl.constexpr, HALF: tl.constexpr):
     """Where row ``row`` of a window of COLS columns starts in ``_flatten_window``'s order."""
-    return (row // WINDOW_ROWS) * (WINDOW_ROWS * COLS) + (row % WINDOW_ROWS) * WINDOW_COLS
+    GROUP_ROWS: tl.constexpr = HALF_WINDOW_ROWS if HALF else WINDOW_ROWS
+    return (row // GROUP_ROWS) * (GROUP_ROWS * COLS) + (row % GROUP_ROWS) * WINDOW_COLS
 
 
 @triton.jit
-def _window_col(col):
+def _window_col(col, HALF: tl.constexpr):
     """Column ``col >= 0``'s offset from its row's start: one shift and one multiply-add."""
-    return col + (col >> WINDOW_SHIFT) * ((WINDOW_ROWS - 1) * WINDOW_COLS)
+    GROUP_ROWS: tl.constexpr = HALF_WINDOW_ROWS if HALF else WINDOW_ROWS
+    return col + (col >> WINDOW_SHIFT) * ((GROUP_ROWS - 1) * WINDOW_COLS)
 
 
 @triton.jit
-def _window_index(row, col, COLS: tl.constexpr):
+def _window_index(row, col, COLS: tl.constexpr, HALF: tl.constexpr = False):
     """Flat index of element (row, col >= 0) of a window of COLS columns flattened by ``_flatten_window``."""
-    return _window_row(row, COLS) + _window_col(col)
+    return _window_row(row, COLS, HALF) + _window_col(col, HALF)
 
 
 @triton.jit
-def _skewed_index(row, col, lag, COLS: tl.constexpr):
-    """``_window_index(row, col + lag, COLS)`` for ``col >= 0`` and ``col + lag >= 0`` (operands
-    broadcast: ``row`` and ``lag`` per window row, ``col`` per column), with the carry out of the
-    low column bits made explicit: in a thread's registers ``col % 8`` takes two values, so what
-    varies per element folds into the loads' constant offsets."""
+def _skewed_index(row, col, lag, COLS: tl.constexpr, HALF: tl.constexpr = False):
+    """``_window_index(row, col + lag, COLS, HALF)`` for ``col >= 0`` and ``col + lag >= 0``
+    (operands broadcast: ``row`` and ``lag`` per window row, ``col`` per column), with the carry out
+    of the low column bits made explicit: in a thread's registers ``col % 8`` takes two values, so
+    what varies per element folds into the loads' constant offsets."""
+    GROUP_ROWS: tl.constexpr = HALF_WINDOW_ROWS if HALF else WINDOW_ROWS
     carry = ((col & (WINDOW_COLS - 1)) + (lag & (WINDOW_COLS - 1))) >> WINDOW_SHIFT
-    return (_window_row(row, COLS) + _window_col(lag)) + (_window_col(col) + carry * ((WINDOW_ROWS - 1) * WINDOW_COLS))
+    return ((_window_row(row, COLS, HALF) + _window_col(lag, HALF))
+            + (_window_col(col, HALF) + carry * ((GROUP_ROWS - 1) * WINDOW_COLS)))
 
 
 @triton.jit
@@ -214,18 +224,20 @@ def _padded_keys(N_KEYS):
 
 
 @triton.jit
-def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _band(pos, rows_base, m0, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD_BF16: tl.constexpr):
     """The tile's first and last positions (rows sorted by position, groups of 8 keeping their first
     and last, padding rows repeating the last real one: two scalar loads), whether banded, the loop-invariant
     flat gather index of a banded tile: row i, key column jj reads window column
-    ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window. That column stays inside the window
-    when the tile's positions span at most BLOCK_N + 1 values: that is what banded means."""
+    ``jj + (p_hi - p_i)`` of a (BLOCK_M, 2*BLOCK_N) window (``BD_BF16``: a 16-bit one, see
+    ``_skew_window``). That column stays inside the window when the tile's positions span at most
+    BLOCK_N + 1 values: that is what banded means."""
     p_lo = tl.load(rows_base + m0 * ROW_FIELDS + ROW_CODE) >> ROW_POS_SHIFT
     p_hi = tl.load(rows_base + (tl.minimum(m0 + BLOCK_M, M) - 1) * ROW_FIELDS + ROW_CODE) >> ROW_POS_SHIFT
     banded = p_hi - p_lo <= BLOCK_N
     # rows past M (masked) may have any position: keep their index in range
     lag = tl.minimum(tl.maximum(p_hi - pos, 0), BLOCK_N)
-    flat_idx = _skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :], lag[:, None], 2 * BLOCK_N)
+    flat_idx = _skewed_index(tl.arange(0, BLOCK_M)[:, None], tl.arange(0, BLOCK_N)[None, :], lag[:, None], 2 * BLOCK_N,
+                             BD_BF16)
     return p_hi, p_lo, banded, lag, flat_idx
 
 
@@ -263,26 +275,30 @@ def _rows(source, stride_row, first, n_rows, offs_d, ROWS: tl.constexpr, HEAD_DI
 
 
 @triton.jit
-def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD_BF16: tl.constexpr):
     """bd (BLOCK_M, BLOCK_N) from a window given as two (BLOCK_M, BLOCK_N) halves."""
     window = tl.reshape(tl.permute(tl.join(raw_lo, raw_hi), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
-    flat = _flatten_window(window, BLOCK_M, 2 * BLOCK_N)
-    return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
-                      [BLOCK_M, BLOCK_N])
+    return _skew_window(window, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
 
 
 @triton.jit
-def _skew_window(raw, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """bd (BLOCK_M, BLOCK_N) from a (BLOCK_M, 2*BLOCK_N) window."""
-    flat = _flatten_window(raw, BLOCK_M, 2 * BLOCK_N)
+def _skew_window(raw, flat_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD_BF16: tl.constexpr):
+    """bd (BLOCK_M, BLOCK_N) fp32 from a (BLOCK_M, 2*BLOCK_N) fp32 window. ``BD_BF16`` (16-bit
+    inputs): the window rounded to bf16 first, as transformers' position products are under
+    autocast. It goes to shared memory in half the bytes (the skew's stores: sm_90's forward 8 -> 4
+    B-eq/score), its reads conflict-free in 8-row groups (bench/NOTES.md, "the position products
+    in bf16")."""
+    if BD_BF16:
+        raw = raw.to(tl.bfloat16)
+    flat = _flatten_window(raw, BLOCK_M, 2 * BLOCK_N, BD_BF16)
     return tl.reshape(tl.gather(flat, tl.reshape(flat_idx, [BLOCK_M * BLOCK_N]), axis=0),
-                      [BLOCK_M, BLOCK_N])
+                      [BLOCK_M, BLOCK_N]).to(tl.float32)
 
 
 @triton.jit
 def _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, BD_BF16: tl.constexpr):
     """bd for a tile whose positions span BLOCK_M or more values: windows of 2*BLOCK_N k_r rows
     from ``qlen + n0 - p_hi`` until every row's range is covered."""
     local = tl.arange(0, BLOCK_M)
@@ -296,8 +312,9 @@ def _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
         lag = qlen + n0 - c0 - query.pos  # window column of key column 0, per row (may be negative)
         col = lag[:, None] + jj[None, :]
         inside = (col >= 0) & (col < 2 * BLOCK_N) & query.row_ok[:, None]
-        flat_idx = tl.where(inside, _skewed_index(local[:, None], jj[None, :], lag[:, None], 2 * BLOCK_N), 0)
-        bd += tl.where(inside, _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N), 0.0)
+        flat_idx = tl.where(inside, _skewed_index(local[:, None], jj[None, :], lag[:, None], 2 * BLOCK_N,
+                                                  BD_BF16), 0)
+        bd += tl.where(inside, _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N, BD_BF16), 0.0)
     return bd
 
 
@@ -449,6 +466,7 @@ def _fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     seed = _load_seed(SEED, DROPOUT)
+    BD_BF16: tl.constexpr = KR.dtype.element_ty != tl.float32  # 16-bit inputs: bd rounded to bf16 (_skew_window)
     k_src = _row_source(k_base, N_KEYS, stride_kn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
     v_src = _row_source(v_base, N_KEYS, stride_vn, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
     kr_src = _row_source(kr_base, R, stride_rr, BLOCK_N, BLOCK_D, HEAD_DIM, TMA)
@@ -456,7 +474,7 @@ def _fwd_kernel(
     # 1. query side: the launcher's operands (bias and scale folded in), per-row metadata
     query = _query_tile(
         QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N, BD_BF16)
     if BANDED_ONLY:  # a tile spans at most BLOCK_M positions: banded when that fits the window
         if BLOCK_M <= BLOCK_N:
             banded = True
@@ -479,7 +497,7 @@ def _fwd_kernel(
             kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
             raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
             # the content term accumulates onto the relative one: the window is dead by then
-            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
             s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
@@ -492,7 +510,7 @@ def _fwd_kernel(
         for n0 in range(0, N_KEYS, BLOCK_N):
             k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
             bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
             s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
             s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
@@ -714,6 +732,7 @@ def _bwd_kv_kernel(
     mask_base = MASK + b * stride_mb
     offs_d = tl.arange(0, BLOCK_D)
     seed = _load_seed(SEED, DROPOUT)
+    BD_BF16: tl.constexpr = KR.dtype.element_ty != tl.float32  # 16-bit inputs: bd rounded to bf16 (_skew_window)
     n0 = pid_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + h * stride_kh, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM).to(DOT_DTYPE)
@@ -743,7 +762,7 @@ def _bwd_kv_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         query = _query_tile(
             QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
-        p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, m0, M, BLOCK_M, BLOCK_N)
+        p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, m0, M, BLOCK_M, BLOCK_N, BD_BF16)
         if BANDED_ONLY:
             if BLOCK_M <= BLOCK_N:
                 banded = True
@@ -751,10 +770,10 @@ def _bwd_kv_kernel(
             # one window of 2*BLOCK_N k_r rows anchored at the tile's last position
             kr = _load_rows(kr_base, stride_rr, qlen + n0 - p_hi, R, offs_d, 2 * BLOCK_N, HEAD_DIM)
             raw = tl.dot(query.q_r, tl.trans(kr.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            bd = _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N)
+            bd = _skew_window(raw, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
         else:
             bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
         s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
         s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                            n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
@@ -836,10 +855,11 @@ def _bwd_q_kernel(
     d_ok = offs_d < HEAD_DIM
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     seed = _load_seed(SEED, DROPOUT)
+    BD_BF16: tl.constexpr = KR.dtype.element_ty != tl.float32  # 16-bit inputs: bd rounded to bf16 (_skew_window)
     query = _query_tile(
         QW, QR, E, rows_base, bh_rows, rows, offs_d, M, N_KEYS, qlen, HEAD_DIM, SEGMENTS)
     do, lse2, delta = _bwd_rows(DO, LSE2, DELTA, bh_rows, rows, query.row_ok, offs_d, M, HEAD_DIM)
-    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N)
+    p_hi, p_lo, banded, lag, flat_idx = _band(query.pos, rows_base, pid_m * BLOCK_M, M, BLOCK_M, BLOCK_N, BD_BF16)
     if BANDED_ONLY:
         if BLOCK_M <= BLOCK_N:
             banded = True
@@ -898,7 +918,7 @@ def _bwd_q_kernel(
                 if not CARRY_PRODUCT:
                     raw_lo = tl.dot(query.q_r, tl.trans(kr_lo), input_precision=INPUT_PRECISION)
                 raw_hi = tl.dot(query.q_r, tl.trans(kr_hi), input_precision=INPUT_PRECISION)
-                bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N)
+                bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
                 s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
                 s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                    n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
@@ -934,7 +954,7 @@ def _bwd_q_kernel(
                 ds = tl.load(ds_ptrs, mask=ds_ok, other=0.0).to(tl.float32)
             else:
                 bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
                 s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
                 s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
                                    n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
@@ -995,6 +1015,7 @@ def _bwd_kr_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     seed = _load_seed(SEED, DROPOUT)
+    BD_BF16: tl.constexpr = KR.dtype.element_ty != tl.float32  # 16-bit inputs: bd rounded to bf16 (_skew_window)
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     first_bi = split * batch_per_split
     for bi in range(first_bi, tl.minimum(first_bi + batch_per_split, batch_per_kr)):
@@ -1025,7 +1046,7 @@ def _bwd_kr_kernel(
                     v = _load_rows(V + b * stride_vb + h * stride_vh, stride_vn, n0, N_KEYS, offs_d, BLOCK_N,
                                    HEAD_DIM)
                     bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                                     BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION)
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
                     s = tl.dot(query.q_w, tl.trans(k), bd, input_precision=INPUT_PRECISION)
                     s = _finish_scores(s, query, keys_base, MASK + b * stride_mb,
                                        stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)

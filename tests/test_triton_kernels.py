@@ -457,6 +457,34 @@ def test_half_precision_against_float64(dtype):
         assert rel(a, b) < max(1e-2, factor * rel(e, b)), n
 
 
+def _bf16_as_the_device_rounds(x):
+    """x rounded to bf16 as the kernels' conversions do: to nearest on a GPU; toward zero in
+    triton's CPU interpreter (see test_half_precision_against_float64)."""
+    if torch.cuda.is_available():
+        return x.to(torch.bfloat16)
+    bits = x.float().contiguous().view(torch.int32) & -65536
+    return bits.view(torch.float32)
+
+
+@pytest.mark.parametrize("targets", [False, True])
+def test_position_term_of_16_bit_inputs_is_rounded_to_bf16(targets):
+    """With bf16 inputs the kernels round the position products (``bd``, in their log2 domain) to
+    bf16, as transformers' products are under autocast, and keep the skew's window in 16 bits
+    (kernels/rel_attention.py, ``_skew_window``): the output follows the float64 reference with
+    that rounding, several times closer than the reference without it. k_r is scaled up so that
+    the rounding shows; banded tiles (content rows) and the general path (sparse target rows)."""
+    q_pos = torch.randint(-1, 24, (2, 9), generator=torch.Generator().manual_seed(3)) if targets else None
+    case = make_case(B=2, M=9 if targets else 24, H=2, D=16, mlen=8, qlen=24, mask="rank", q_pos=q_pos)
+    case = case.replace(k_r=case.k_r * 6).to(dtype=torch.bfloat16).to(device=DEVICE)
+    out = case.call(triton_attention)
+    exact = case.to(device="cpu", dtype=torch.float64)
+    plain = exact.call(reference_attention)
+    rounded = exact.call(functools.partial(reference_attention, position_rounding=_bf16_as_the_device_rounds))
+    # the output is bf16: against both references rounded alike
+    to_rounded, to_plain = (rel_err(out, _bf16_as_the_device_rounds(ref)) for ref in (rounded, plain))
+    assert to_rounded < 0.25 * to_plain
+
+
 def test_hf_seq_first_views():
     case = make_case(B=2, M=19, H=2, D=16, mlen=4, dtype=torch.float32).to(device=DEVICE)
     views = seq_first_views(case)
@@ -550,18 +578,19 @@ def test_tiles_not_square_match_eager(name, block_m, block_n, deterministic, mon
         torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,half", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("rows,cols,n", [(16, 32, 16), (32, 128, 64)])
-def test_skew_windows_read_back_what_was_stored(rows, cols, n, dtype):
-    """The skew windows are flattened in a bank-spreading order, not row-major: every skewed read
-    (each row's own lag, negative or crossing the 8-column groups) gets the element it means."""
+def test_skew_windows_read_back_what_was_stored(rows, cols, n, dtype, half):
+    """The skew windows are flattened in a bank-spreading order, not row-major (groups of 4 rows,
+    of 8 for 16-bit windows): every skewed read (each row's own lag, negative or crossing the
+    8-column groups) gets the element it means."""
     from helpers.window_probe import skewed_read_kernel
 
     window = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(dtype).to(DEVICE)
     lag = torch.randint(-n, cols, (rows,), generator=torch.Generator().manual_seed(rows)).to(torch.int32)
     lag[:3] = torch.tensor([0, cols - n, -3], dtype=torch.int32)
     out = torch.empty(2, rows, n, dtype=dtype, device=DEVICE)
-    skewed_read_kernel[(1,)](window, lag.to(DEVICE), out, rows, cols, n)
+    skewed_read_kernel[(1,)](window, lag.to(DEVICE), out, rows, cols, n, half)
     padded = torch.cat([torch.zeros(rows, n, dtype=dtype), window.cpu(), torch.zeros(rows, n, dtype=dtype)], 1)
     expected = torch.stack([padded[i, n + int(lag[i]):2 * n + int(lag[i])] for i in range(rows)])
     assert torch.equal(out[0].cpu(), expected) and torch.equal(out[1].cpu(), expected)

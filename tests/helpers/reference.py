@@ -16,8 +16,10 @@ def rel_shift_literal(x: torch.Tensor, klen: int) -> torch.Tensor:
 
 def reference_attention(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None,
                         q_seg=None, k_seg=None, attn_mask=None, q_rank=None, k_rank=None,
-                        self_visible=True, q_pos=None, qlen=None, scale=None):
-    """Same contract as xlnet_fast.rel_attention, float64, loops over batch and heads."""
+                        self_visible=True, q_pos=None, qlen=None, scale=None, position_rounding=None):
+    """Same contract as xlnet_fast.rel_attention, float64, loops over batch and heads.
+    ``position_rounding``: a function applied to the position term as the fused kernels form it,
+    ``bd * scale * log2(e)`` (their log2-domain products), e.g. a rounding to bf16."""
     B, M, H, D = q.shape
     K, R = k.shape[1], k_r.shape[1]
     qlen = M if qlen is None else qlen
@@ -40,6 +42,9 @@ def reference_attention(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_
                 full = torch.zeros(qlen, R, dtype=torch.float64)
                 full = full.index_put((torch.tensor([p]),), raw[i][None])
                 bd = bd.index_put((torch.tensor([i]),), rel_shift_literal(full, K)[p][None])
+            if position_rounding is not None:
+                to_kernel = scale * math.log2(math.e)
+                bd = position_rounding(bd * to_kernel).double() / to_kernel
             score = ac + bd
             if seg_embed is not None:
                 diff = (q_seg[b][:, None] != k_seg[b][None, :]).long()

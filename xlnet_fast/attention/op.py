@@ -270,7 +270,9 @@ def rel_attention(
     q_seg, k_seg, attn_mask, q_rank, k_rank, self_visible, q_pos and qlen.
     scale: float, default ``1/sqrt(D)``. dropout_p: float in [0, 1) on the probabilities.
     backend: ``"auto"``, ``"eager"`` or ``"triton"`` (forced: never falls back).
-    Under ``torch.autocast`` the float tensors are taken in the autocast dtype.
+    Under ``torch.autocast`` the float tensors are taken in the autocast dtype. Scores are fp32; with
+    16-bit inputs the Triton kernels round the position term to bf16 (as autocast's products are),
+    the eager backend does not.
     """
     (q, k, v, k_r), autocast = _autocast(q, k, v, k_r)
     a = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=r_s_bias, seg_embed=seg_embed, q_seg=q_seg,
