@@ -199,22 +199,22 @@ def _skewed_index(row, col, lag, COLS: tl.constexpr, HALF: tl.constexpr = False)
 
 
 @triton.jit
-def _flatten(window, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr):
+def _flatten(window, ROWS: tl.constexpr, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr, HALF: tl.constexpr = False):
     """A (ROWS, COLS) window as a gather's 1-D source: row-major (tiles loaded from memory), else
-    in ``_flatten_window``'s order (MMA results)."""
+    in ``_flatten_window``'s order (MMA results; HALF: 16-bit elements)."""
     if ROW_MAJOR:
         return tl.reshape(window, [ROWS * COLS])
     else:
-        return _flatten_window(window, ROWS, COLS)
+        return _flatten_window(window, ROWS, COLS, HALF)
 
 
 @triton.jit
-def _flat_index(row, col, lag, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr):
+def _flat_index(row, col, lag, COLS: tl.constexpr, ROW_MAJOR: tl.constexpr, HALF: tl.constexpr = False):
     """Index of element (row, col + lag) of a window of COLS columns in ``_flatten``'s order."""
     if ROW_MAJOR:
         return row * COLS + col + lag
     else:
-        return _skewed_index(row, col, lag, COLS)
+        return _skewed_index(row, col, lag, COLS, HALF)
 
 
 @triton.jit
@@ -588,7 +588,10 @@ def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     the dS of the key whose k_r row is window row c: ``ds[i, c - lag_i]`` when ``c >= lag_i``, else
     the previous key tile's ``ds_prev[i, BLOCK_N + c - lag_i]`` (its window's upper half is this
     one's lower half). With ``[ds_prev | ds]`` side by side that is flat column
-    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather, in ``_flatten``'s order."""
+    ``BLOCK_N + c - lag_i`` (``unskew_idx``) of one gather, in ``_flatten``'s order. A recomputed
+    dS in 16 bits stays in fp32's 4-row groups here: the gather gives each lane one element, a warp
+    32 consecutive columns of a row, and in 8-row groups a row's 8-column groups are 128 bytes apart
+    (sm_90's recomputing dQ: 82.5 -> 86.5 B-eq/score; bench/NOTES.md)."""
     window = tl.reshape(tl.permute(tl.join(ds_prev, ds), (0, 2, 1)), [BLOCK_M, 2 * BLOCK_N])
     window = _flatten(window, BLOCK_M, 2 * BLOCK_N, ROW_MAJOR)
     return tl.reshape(tl.gather(window, unskew_idx, axis=0), [BLOCK_M, BLOCK_N])
@@ -596,12 +599,13 @@ def _unskew_join(ds_prev, ds, unskew_idx, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 @triton.jit
 def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 N_OUT: tl.constexpr, TRANSPOSED: tl.constexpr = False, ROW_MAJOR: tl.constexpr = False):
+                 N_OUT: tl.constexpr, TRANSPOSED: tl.constexpr = False, ROW_MAJOR: tl.constexpr = False,
+                 HALF: tl.constexpr = False):
     """dS (BLOCK_M, BLOCK_N) over keys -> (BLOCK_M, N_OUT) over k_r rows c0 .. c0 + N_OUT:
     ``out[i, c] = dS[i, j]`` for the j with ``qlen + j - p_i = c0 + c`` (0 if none in this tile);
     ``TRANSPOSED``: (N_OUT, BLOCK_M), gathered in that order (a ``tl.trans`` before the next dot
-    would end triton's chain of dots there, see ``_bwd_kr_kernel``). ``ROW_MAJOR``: see ``_flatten``."""
-    flat = _flatten(ds, BLOCK_M, BLOCK_N, ROW_MAJOR)
+    would end triton's chain of dots there, see ``_bwd_kr_kernel``). ``ROW_MAJOR``, ``HALF``: see ``_flatten``."""
+    flat = _flatten(ds, BLOCK_M, BLOCK_N, ROW_MAJOR, HALF)
     lag = c0 - qlen - n0 + pos  # dS column of output column 0, per row (may be negative)
     if TRANSPOSED:  # output rows are k_r rows, its columns the tile's query rows
         out_col, row = tl.arange(0, N_OUT)[:, None], tl.arange(0, BLOCK_M)[None, :]
@@ -613,7 +617,7 @@ def _unskew_rows(ds, pos, row_ok, n0, c0, qlen, BLOCK_M: tl.constexpr, BLOCK_N: 
         shape: tl.constexpr = [BLOCK_M, N_OUT]
     jj = out_col + lag
     inside = (jj >= 0) & (jj < BLOCK_N) & row_ok
-    index = tl.where(inside, _flat_index(row, out_col, lag, BLOCK_N, ROW_MAJOR), 0)
+    index = tl.where(inside, _flat_index(row, out_col, lag, BLOCK_N, ROW_MAJOR, HALF), 0)
     got = tl.gather(flat, tl.reshape(index, [BLOCK_M * N_OUT]), axis=0)
     return tl.where(inside, tl.reshape(got, shape), 0.0)
 
@@ -1016,6 +1020,7 @@ def _bwd_kr_kernel(
     d_ok = offs_d < HEAD_DIM
     seed = _load_seed(SEED, DROPOUT)
     BD_BF16: tl.constexpr = KR.dtype.element_ty != tl.float32  # 16-bit inputs: bd rounded to bf16 (_skew_window)
+    DS_HALF: tl.constexpr = DOT_DTYPE != tl.float32  # recomputed dS unskewed in the dots' 16 bits (_flatten)
     acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     first_bi = split * batch_per_split
     for bi in range(first_bi, tl.minimum(first_bi + batch_per_split, batch_per_kr)):
@@ -1052,11 +1057,15 @@ def _bwd_kr_kernel(
                                        stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
                     _, ds = _grad_tile(s, lse2, delta, do, v, seed, pid_bh, m0, n0, keep_threshold,
                                        DROPOUT, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, KEEP_IN_SIGN=False)
+                    # rounded to the dots' dtype before the unskew (the same values as after it): the
+                    # gather's source in half the bytes, in 8-row groups for 16 bits, where a warp's
+                    # lanes read 32 query rows of one k_r row (sm_90 64x64w4s2: 52.1 -> 51.0 B-eq/score)
+                    ds = ds.to(DOT_DTYPE)
                 # dS over this tile's k_r rows, gathered transposed: with tl.trans before the dot,
                 # triton laid the score tile's dots out alone, 4 warps along 32 rows doing every
                 # MMA twice (sm_80 32x32w4s1: 72.4 -> 54.8 inst/score)
                 dsc_t = _unskew_rows(ds, query.pos, query.row_ok, n0, c0, qlen, BLOCK_M, BLOCK_N, BLOCK_N,
-                                     TRANSPOSED=True, ROW_MAJOR=FROM_DS)
+                                     TRANSPOSED=True, ROW_MAJOR=FROM_DS, HALF=DS_HALF)
                 acc = tl.dot(dsc_t.to(DOT_DTYPE), query.q_r, acc, input_precision=INPUT_PRECISION)
     c_rows = c0 + tl.arange(0, BLOCK_N)
     dkr_base = DKR + split.to(tl.int64) * stride_dkrs + br * stride_dkrb + h * HEAD_DIM

@@ -182,6 +182,34 @@ def test_deterministic_dk_r_split_over_batch_rows_matches_eager(monkeypatch):
         kernels.clear_launches()
 
 
+@pytest.mark.parametrize("name", ["content_seg_mem", "target_rows_with_padding"])
+def test_deterministic_dk_r_of_16_bit_inputs_recomputes_the_stored_ds(name, monkeypatch):
+    """With 16-bit dots the deterministic dk_r kernel that recomputes dS unskews it in 16 bits, in
+    ``_flatten``'s 8-row groups (HALF): its gradients match those from the dS the dK/dV kernel
+    stored (in 16 bits too, unskewed row-major) to the summation order, and float64 to half
+    precision. fp16: the interpreter's bf16 dots take fp32 operands."""
+    from xlnet_fast import kernels
+
+    case = make_case(**CASES[name], dtype=torch.float16).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
+    _, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
+    _, g_eager = grads(eager_attention, case, dout)
+    found = {}
+    torch.use_deterministic_algorithms(True)
+    try:
+        for stored, limit in ((True, kernels.STORED_DS_BYTES), (False, 0)):
+            monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
+            kernels.clear_launches()
+            found[stored] = grads(triton_attention, case, dout)[1]
+            assert ds_plans("dkr") == {stored}
+    finally:
+        torch.use_deterministic_algorithms(False)
+        kernels.clear_launches()
+    k_r = GRAD_NAMES.index("k_r")
+    assert rel(found[False][k_r], found[True][k_r]) < 1e-3
+    assert rel(found[False][k_r], g_ref[k_r]) < max(1e-2, 10 * rel(g_eager[k_r], g_ref[k_r]))
+
+
 def test_deterministic_dk_r_from_stored_ds_covers_query_tiles_spanning_many_key_tiles():
     """The deterministic dk_r kernel reading the stored dS, on query tiles whose rows spread over many
     positions (the query stream's scattered targets): target rows 5 positions apart, so that a tile
