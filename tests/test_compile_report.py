@@ -193,6 +193,52 @@ def test_smem_traffic_follows_lane_addresses_placed_by_tables_and_guards():
                              params, memory([0] * 64), 64, program) is None  # no MMA: no key loop
 
 
+# Two loops of the same MMAs one after the other, as the forward's (its key tiles every row sees
+# first, without the rank test, then the rest): the second has more instructions.
+_SASS_TWO_LOOPS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0020*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;
+        /*0040*/                   ISETP.GE.AND P2, PT, R3, R4, PT ;
+        /*0050*/                   FSEL R5, R5, -INF , P2 ;
+        /*0060*/               @P1 BRA `(.L_x_2) ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_of_two_loops_of_the_same_products_the_general_one_is_the_key_loop():
+    """Regression: where a kernel runs its tiles in two loops of the same MMAs (the forward's tiles
+    every row sees, then the rest), the key loop is the one with more instructions, in SASS and in
+    PTX; and the shared-memory walk reaches it, though the first loop's one simulated iteration
+    branches back (it passed no thread on, and every CTA read as never entering the key loop)."""
+    import numpy as np
+
+    assert sass.parse(_SASS_TWO_LOOPS).key_loop().head == 0x30
+
+    def table(addresses, known, width):
+        index = (addresses - (1 << 36)) // 4
+        ok = known & (index >= 0) & (index < 64)
+        return np.where(ok, np.clip(index, 0, 63), 0), ok
+
+    params, program = {0: (1 << 36, True), 1: (8, True)}, [((0, 0, 0), (1, 1, 1))]
+    ptx = _PTX.replace("@%p3 ld.global", "ld.global")
+    alone = sass.smem_traffic(ptx, params, table, 64, program)
+    first_loop = """	mov.u32 	%r11, 0;
+$L__BB0_0:
+	st.shared.b32 	[%r7+4096], %r1;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r30, %r31, %r32, %r33}, {%r21, %r22, %r23, %r24}, {%r25, %r26}, {%r30, %r31, %r32, %r33};
+	add.s32 	%r11, %r11, 1;
+	setp.lt.s32 	%p4, %r11, %r20;
+	@%p4 bra 	$L__BB0_0;
+"""
+    both = sass.smem_traffic(ptx.replace("$L__BB0_1:", first_loop + "$L__BB0_1:", 1), params, table, 64, program)
+    assert alone["reached"] == both["reached"] == 1
+    assert both["by_kind"] == alone["by_kind"]  # the second loop's accesses, not the first's
+
+
 def test_smem_traffic_follows_table_values_unpacked_from_wider_loads():
     """Regression: a 16-bit table read as 32-bit words and split by ``mov.b32 {lo, hi}`` (the dQ
     kernel's column numbers) left the lanes' addresses unknown, counted conflict-free. Each lane

@@ -6,9 +6,10 @@ edge, and the loop is the header plus every block that reaches the back edge wit
 header (back edges to one header form one loop). Loops nest by block containment, whatever the code
 layout (ptxas may place part of an inner loop after its outer loop's back edge). The *key loop* is
 the loop whose own blocks (nested loops excluded) issue the most MMA instructions (HMMA: mma.sync,
-sm_80+; HGMMA: Hopper's wgmma; UTC*MMA: Blackwell's tcgen05), the outermost one on a tie: the loop
-over the other side's tiles that does the tile's GEMMs, while inner loops (k_r windows) do one GEMM
-each and outer loops none.
+sm_80+; HGMMA: Hopper's wgmma; UTC*MMA: Blackwell's tcgen05), the outermost one on a tie, then the
+one of more instructions: the loop over the other side's tiles that does the tile's GEMMs, while
+inner loops (k_r windows) do one GEMM each and outer loops none; where a kernel runs its tiles in two
+such loops (the forward's tiles every row sees, without the rank test), the general one.
 
 Counts are static: every instruction of the loop's blocks, each once, blocks skipped at run time by
 a branch included; ``NOP`` padding is not counted. A nested loop counts ``trips`` times per iteration
@@ -106,7 +107,10 @@ class Sass:
         candidates = [loop for loop in self.loops if loop.own_mma() > 0]
         if not candidates:
             return None
-        return max(candidates, key=lambda loop: (loop.own_mma(), -loop.depth()))
+        # a kernel may run its key tiles in two loops of the same products, one of which leaves out
+        # work (the forward's tiles every row sees skip the visibility test): the one with more
+        # instructions is the general one
+        return max(candidates, key=lambda loop: (loop.own_mma(), -loop.depth(), len(loop.own)))
 
 
 def _instructions(text: str) -> tuple:
@@ -876,7 +880,8 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     counted = [loop for loop in loops if any(i.opcode.startswith(PTX_MMA) for i in loop.own)]
     if not counted or not programs:
         return None
-    key = max(counted, key=lambda loop: (sum(i.opcode.startswith(PTX_MMA) for i in loop.own), -loop.depth()))
+    key = max(counted, key=lambda loop: (sum(i.opcode.startswith(PTX_MMA) for i in loop.own), -loop.depth(),
+                                         len(loop.own)))  # as Sass.key_loop
     order, back = _topological(successors, idom)
     last_needed = max(order.index(b) for b in key.blocks)
     named = {name: param_values.get(i, (0, False)) for i, (name, _) in enumerate(params)}
@@ -919,8 +924,15 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
                     p, known = state.get(op.guard[0])
                     p = (p == 0) if op.guard[1] else (p != 0)
                     taken, fall = active & (p | ~known), active & (~p | ~known)
+            # a loop's latch: its one simulated iteration may branch back, but every thread that
+            # reaches it leaves the loop in the end (a loop before the key loop, e.g. the forward's
+            # tiles every row sees, must pass its threads on)
+            latch = any((node, child) in back for child in successors[node])
             for child in successors[node]:
                 if (node, child) in back:
+                    continue
+                if latch:
+                    masks[child] = masks.get(child, np.zeros(threads, bool)) | active
                     continue
                 is_target = last.base in ("BRA", "JMP") and labels.get(last.target) == blocks[child][0].address
                 is_next = child == node + 1 and last.base not in _NO_FALLTHROUGH and (
