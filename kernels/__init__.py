@@ -18,7 +18,7 @@ from . import contract  # an attribute of the package even when xlnet_fast loade
 from . import launch
 from .contract import (E_FIELDS, INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_PAD, KEY_RANK, KEY_SEG, LOG2E,
                        MASK_DENSE, MASK_NONE, MASK_RANKS, ROW_CODE, ROW_FIELDS, ROW_GROUP, ROW_OWN_KEY, ROW_POS_SHIFT,
-                       ROW_RANK, ROW_SEG, ROW_SRC, interpreting)
+                       ROW_FREE, ROW_RANK, ROW_SEG, ROW_SRC, interpreting)
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -152,22 +152,41 @@ def _rank_codes(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     if a.q_rank is None:
         return (torch.full((B, M), 1 << contract.KEY_RANK_SHIFT, dtype=torch.int64, device=device),
                 torch.zeros((B, K), dtype=torch.int64, device=device))
+    codes = _keys_sorted_before(a.q_rank, a.k_rank) << contract.KEY_RANK_SHIFT
+    return codes[:, :M], codes[:, M:]
+
+
+def _keys_sorted_before(q_rank: torch.Tensor, k_rank: torch.Tensor) -> torch.Tensor:
+    """(B, M + K) int64: for each row of ``q_rank`` (B, M) the number of keys of ``k_rank`` (B, K)
+    below its rank, and for each key the number sorted before it (equal ranks in any order).
+    Sync-free."""
+    M = q_rank.shape[1]
     # One stable sort of the rows' ranks and then the keys': a row stays ahead of the keys of its own
     # rank, so the keys sorted before it are exactly those below it, and a key whose rank is not below
     # a row's sorts after every key below that row. (Not torch.searchsorted: inductor's Triton code
     # for it fails to compile when the searched values fold to a constant, as padding-only ranks do.)
-    order = torch.sort(torch.cat([a.q_rank, a.k_rank], dim=1), dim=1, stable=True).indices
-    # exclusive count of the keys in sorted order, shifted into the rank field's place
-    keys_before = F.pad(order[:, :-1] >= M, (1, 0)).cumsum(1) << contract.KEY_RANK_SHIFT
-    codes = torch.empty_like(keys_before).scatter_(1, order, keys_before)
-    return codes[:, :M], codes[:, M:]
+    order = torch.sort(torch.cat([q_rank, k_rank], dim=1), dim=1, stable=True).indices
+    # exclusive count of the keys in sorted order
+    keys_before = F.pad(order[:, :-1] >= M, (1, 0)).cumsum(1)
+    return torch.empty_like(keys_before).scatter_(1, order, keys_before)
 
 
-def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[torch.Tensor, bool]:
+def _free_keys(a, B: int, M: int, K: int, device) -> torch.Tensor:
+    """(B, M) int64, rows in the caller's order: how many leading keys each row sees all of, the
+    count of keys before the first one whose rank is not below the row's (the row's own key aside).
+    Without rank masks every real key, K. Sync-free."""
+    if a.q_rank is None:
+        return torch.full((B, M), K, dtype=torch.int64, device=device)
+    # the keys' running maximum rank is below a row's rank exactly over that prefix
+    return _keys_sorted_before(a.q_rank, a.k_rank.cummax(dim=1).values)[:, :M]
+
+
+def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None, free=None) -> tuple[torch.Tensor, bool]:
     """(B, M, ROW_FIELDS) int32: per tile row its code (2 * position + sees-own-key), segment code
-    (``q_codes``, see ``_segment_codes``), rank (``q_rank``, else the masks') and the caller's row;
-    rows ordered by position (a content row before the target rows at its position, padding rows
-    last, repeating the last real position, with rank INT32_MIN) so that tiles are banded. Also
+    (``q_codes``, see ``_segment_codes``), rank (``q_rank``, else the masks'), the caller's row and
+    its count of leading keys seen whole (``free``, see ``_free_keys``; 0 if not given); rows ordered
+    by position (a content row before the target rows at its position, padding rows last, repeating
+    the last real position, with rank INT32_MIN) so that tiles are banded. Also
     whether every tile is banded by construction: the content stream (row i at position i) and
     launches whose rows cover every position (two-stream)."""
     # each field assigned where it is computed: the int32 narrowing in the same copy (a GPU launch each)
@@ -178,6 +197,7 @@ def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[t
         order = caller.expand(B, M)
         rows[..., ROW_CODE] = (caller << ROW_POS_SHIFT) | (caller < a.self_rows) * ROW_OWN_KEY
         rank = q_rank  # every row real
+        rows[..., ROW_FREE] = free if free is not None else 0
     else:
         # q_pos below zero (any int64) is a padding row: clamp before narrowing to int32
         pos = a.q_pos.long().clamp(min=-1)
@@ -193,6 +213,7 @@ def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None) -> tuple[t
         q_codes = q_codes.gather(1, order) if q_codes is not None else None
         # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
         rank = torch.where(real, q_rank.gather(1, order) if q_rank is not None else 0, INT32_MIN)
+        rows[..., ROW_FREE] = free.gather(1, order).masked_fill_(~real, 0) if free is not None else 0
     rows[..., ROW_SEG] = q_codes if q_codes is not None else 0
     rows[..., ROW_RANK] = rank if rank is not None else 0
     rows[..., ROW_SRC] = order
@@ -345,7 +366,9 @@ def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     (the model's layers, forward and backward). No host sync."""
     q_codes, k_codes = _segment_codes(a.q_seg, a.k_seg) if a.q_seg is not None else (None, None)
     q_rank, k_rank = _rank_codes(a, B, M, K, device) if contract.packed_keys(K) else (None, None)
-    return _rows_table(a, B, M, device, q_codes, q_rank)[0], _keys_table(a, B, K, device, k_codes, k_rank)
+    free = _free_keys(a, B, M, K, device) if a.attn_mask is None else None  # a dense mask: every tile tested
+    return (_rows_table(a, B, M, device, q_codes, q_rank, free)[0],
+            _keys_table(a, B, K, device, k_codes, k_rank))
 
 
 def _tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,10 @@ MASK_RANKS = 2
 
 # Per-row int32 fields of the ROWS table (B, M, ROW_FIELDS), rows sorted by position with padding
 # rows last: code; segment code (the ids ranked per batch row); rank (INT32_MIN for a padding row);
-# the caller's row.
-ROW_FIELDS = 4
+# the caller's row; how many leading keys the row sees all of (every key before that count has a
+# rank below the row's; 0 for a padding row): the forward runs the whole key tiles that every real
+# row of its tile sees without the visibility test, as FlashAttention masks only diagonal tiles.
+ROW_FIELDS = 5
 # Then each whole group of ROW_GROUP rows (one MMA accumulator's lanes hold ROW_GROUP consecutive
 # tile rows, lane // 4) is reordered within itself, its first and last row kept, so that the skew's
 # reads hit distinct shared-memory banks (kernels._interleave_row_groups): a tile's first and last
@@ -34,6 +36,7 @@ ROW_CODE = 0
 ROW_SEG = 1
 ROW_RANK = 2
 ROW_SRC = 3
+ROW_FREE = 4
 # code = position << ROW_POS_SHIFT | sees_own_key (a padding row repeats the last real position
 # without the bit, so a tile's first and last rows give its position range).
 ROW_POS_SHIFT = 1

@@ -24,10 +24,11 @@ from .rel_attention import E_DELTA, E_FIELDS, E_SAME, INT32_MIN, LOG2E, ROW_FIEL
 # Rows per program: a (ROWS_PER_PROGRAM, BLOCK_D) tile, enough to keep a few loads in flight.
 ROWS_PER_PROGRAM = 32
 # The finishing kernel: elements of dk_r per converting program, and per step of a (batch row,
-# head)'s sums (rows of BLOCK_D: 64 at D=64, 32 at D=128, where 64 rows spilled 12 B at sm_120
-# without segments, when one program summed a head's every batch row).
+# head)'s sums (rows of BLOCK_D: 32 at D=64, 16 at D=128; 64 rows spilled 12 B at sm_120 without
+# segments, when one program summed a head's every batch row, and 32 at sm_90 with segments once the
+# ROWS table had a fifth field).
 FINISH_BLOCK = 1024
-FINISH_STEP = 4096
+FINISH_STEP = 2048
 # The rows of a (batch row, head)'s partial sums that the finishing kernel writes and the heads'
 # kernel adds over batch rows (SUMS); batch rows per step of that sum.
 SUM_PARTK, SUM_PART, SUM_GQ, SUM_G = (tl.constexpr(i) for i in range(4))

@@ -15,7 +15,9 @@ Per (query tile, key tile) the score tile is built in registers and never writte
   of its fp32 product, as transformers' products under autocast;
 * segment term — two per-row scalars ``(q + r_s_bias) . seg_embed[0/1]`` picked by segment equality;
 * masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
-  bool tile, padding rows (negative position), k_r rows past the end ("uni").
+  bool tile, padding rows (negative position), k_r rows past the end ("uni"). The forward runs the
+  leading key tiles that every real row of its query tile sees (``ROW_FREE``: XLNet's memory keys, a
+  causal tile's past) in a loop without the rank test, as FlashAttention masks only diagonal tiles.
 
 Banded tiles. The launcher orders the query rows by position (``ROWS`` maps tile rows to the caller's
 rows; see ``ROW_GROUP``), so a tile's positions usually span fewer than BLOCK_M values (always for the content
@@ -58,12 +60,14 @@ from . import contract
 # The values the launcher shares (contract.py, where the table fields are described) as constexprs.
 LOG2E = tl.constexpr(contract.LOG2E)
 INT32_MIN = tl.constexpr(contract.INT32_MIN)
+INT32_MAX = tl.constexpr(contract.INT32_MAX)
 MASK_DENSE = tl.constexpr(contract.MASK_DENSE)
 ROW_FIELDS = tl.constexpr(contract.ROW_FIELDS)
 ROW_CODE = tl.constexpr(contract.ROW_CODE)
 ROW_SEG = tl.constexpr(contract.ROW_SEG)
 ROW_RANK = tl.constexpr(contract.ROW_RANK)
 ROW_SRC = tl.constexpr(contract.ROW_SRC)
+ROW_FREE = tl.constexpr(contract.ROW_FREE)
 ROW_POS_SHIFT = tl.constexpr(contract.ROW_POS_SHIFT)
 ROW_OWN_KEY = tl.constexpr(contract.ROW_OWN_KEY)
 KEY_PAD = tl.constexpr(contract.KEY_PAD)
@@ -321,21 +325,24 @@ def _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
 @triton.jit
 def _finish_scores(s, query, keys_base, mask_base, stride_mm, n0, N_KEYS, qlen, R, SEGMENTS: tl.constexpr,
                    MASKING: tl.constexpr, CHECK_R: tl.constexpr, PACKED_KEYS: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ALL_VISIBLE: tl.constexpr = False):
     """Add the segment term to ``ac + bd`` (already scaled, log2 domain) and mask: -inf where a key
     is not visible. The segment term's per-row part for same-segment keys is left out: a constant
     per row does not change the softmax (the launcher's lse adds it back). ``PACKED_KEYS``: the
     segment codes read from the rank field's low bits (tables packed: contract.PACKED_KEYS_MAX),
     one vector a tile instead of two; else from KEY_SEG, which holds them in either table. The rank
-    field compares as it is: packed, the rows' ranks are codes shifted alike."""
+    field compares as it is: packed, the rows' ranks are codes shifted alike. ``ALL_VISIBLE``: a key
+    tile every real row of the tile sees (``_free_tiles_end``): the segment term only."""
     cols = n0 + tl.arange(0, BLOCK_N)
-    rank_k = tl.load(keys_base + KEY_RANK * _padded_keys(N_KEYS) + cols)
+    rank_k = tl.load(keys_base + KEY_RANK * _padded_keys(N_KEYS) + cols)  # dropped where unread
     if SEGMENTS:
         if PACKED_KEYS:  # one vector a tile instead of two (sm_90 forward 64x64w4s2: 30.5 -> 28.2 B-eq/score)
             seg_k = rank_k & KEY_SEG_MASK
         else:
             seg_k = tl.load(keys_base + KEY_SEG * _padded_keys(N_KEYS) + cols)
         s += tl.where(query.seg[:, None] != seg_k[None, :], query.e_delta[:, None], 0.0)
+    if ALL_VISIBLE:
+        return s
     # ranks are always there: padding rows have rank INT32_MIN, keys past the end INT32_MAX
     # per-row bounds moved to the tile's columns first (once per row): each score then compares its
     # column against them (sm_90's pipelined forward: 24.4 -> 20.4 inst/score against cols == own_col)
@@ -437,6 +444,50 @@ def _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh
 
 
 @triton.jit
+def _free_tiles_end(rows_base, rows, row_ok, N_KEYS, MASKING: tl.constexpr, CHECK_R: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """The end of the leading whole key tiles that every real row of the tile sees (the least of
+    their ROW_FREE counts, rounded down to BLOCK_N): the forward runs them without the visibility
+    test, as FlashAttention masks only its diagonal tiles (XLNet's memory keys: 384 of 896 at the
+    pretraining shape; a causal tile's keys before its first row; every tile without rank masks but
+    the last). 0 with a dense mask or k_r rows to check (CHECK_R): every tile tested."""
+    if MASKING == MASK_DENSE or CHECK_R:
+        return 0
+    free = tl.load(rows_base + rows * ROW_FIELDS + ROW_FREE, mask=row_ok, other=INT32_MAX)
+    return tl.minimum(tl.min(free, axis=0), N_KEYS) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _fwd_key_tiles(acc, m_i, l_i, raw_lo, query, q_r, k_src, kr_src, v_src, stride_kn, stride_rr, stride_vn, kr_base,
+                   keys_base, mask_base, stride_mm, lo, hi, p_hi, p_lo, flat_idx, N_KEYS, qlen, R, offs_d,
+                   seed, pid_bh, m_start, keep_threshold,
+                   BANDED: tl.constexpr, ALL_VISIBLE: tl.constexpr, SEGMENTS: tl.constexpr, MASKING: tl.constexpr,
+                   CHECK_R: tl.constexpr, PACKED_KEYS: tl.constexpr, DROPOUT: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr, BD_BF16: tl.constexpr):
+    """The forward's key tiles ``lo .. hi`` (multiples of BLOCK_N): scores, then ``_attend``.
+    ``BANDED``: bd from the window of the carried lower half ``raw_lo`` (returned for the next tiles)
+    and a new upper half; else from ``_bd_general``. ``ALL_VISIBLE``: tiles every real row sees."""
+    for n0 in range(lo, hi, BLOCK_N):
+        k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
+        if BANDED:
+            kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
+            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
+            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
+            raw_lo = raw_hi
+        else:
+            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
+        # the content term accumulates onto the relative one: the window is dead by then
+        s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
+        s = _finish_scores(s, query, keys_base, mask_base, stride_mm, n0, N_KEYS, qlen, R, SEGMENTS, MASKING,
+                           CHECK_R, PACKED_KEYS, BLOCK_N, ALL_VISIBLE)
+        acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh, m_start,
+                                keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, TMA)
+    return acc, m_i, l_i, raw_lo
+
+
+@triton.jit
 def _fwd_kernel(
     QW, QR, E, ROWS, K, V, KR, KEYS, MASK, OUT, LSE,
     stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_rb, stride_rr, stride_rh,
@@ -488,39 +539,40 @@ def _fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    # the key tiles before free_end every real row of the tile sees: no visibility test there
+    free_end = _free_tiles_end(rows_base, rows, query.row_ok, N_KEYS, MASKING, CHECK_R, BLOCK_N)
     if banded:
         # 2. banded tiles: carry the lower half of each k_r window to the next key tile
         kr_lo = _rows(kr_src, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
         raw_lo = tl.dot(q_r, tl.trans(kr_lo.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-        for n0 in range(0, N_KEYS, BLOCK_N):
-            k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
-            kr_hi = _rows(kr_src, stride_rr, qlen + n0 - p_hi + BLOCK_N, R, offs_d, BLOCK_N, HEAD_DIM, TMA)
-            raw_hi = tl.dot(q_r, tl.trans(kr_hi.to(DOT_DTYPE)), input_precision=INPUT_PRECISION)
-            # the content term accumulates onto the relative one: the window is dead by then
-            bd = _skew_pair(raw_lo, raw_hi, flat_idx, BLOCK_M, BLOCK_N, BD_BF16)
-            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
-                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
-            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
-                                    INPUT_PRECISION, TMA)
-            raw_lo = raw_hi
+        acc, m_i, l_i, raw_lo = _fwd_key_tiles(
+            acc, m_i, l_i, raw_lo, query, q_r, k_src, kr_src, v_src, stride_kn, stride_rr, stride_vn, kr_base,
+            keys_base, mask_base, stride_mm, 0, free_end, p_hi, p_lo, flat_idx, N_KEYS, qlen, R, offs_d,
+            seed, pid_bh, pid_m * BLOCK_M, keep_threshold, True, True, SEGMENTS, MASKING, CHECK_R,
+            PACKED_KEYS, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, TMA, BD_BF16)
+        acc, m_i, l_i, raw_lo = _fwd_key_tiles(
+            acc, m_i, l_i, raw_lo, query, q_r, k_src, kr_src, v_src, stride_kn, stride_rr, stride_vn, kr_base,
+            keys_base, mask_base, stride_mm, free_end, N_KEYS, p_hi, p_lo, flat_idx, N_KEYS, qlen, R, offs_d,
+            seed, pid_bh, pid_m * BLOCK_M, keep_threshold, True, False, SEGMENTS, MASKING, CHECK_R,
+            PACKED_KEYS, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, TMA, BD_BF16)
     else:
         # 2'. tiles spanning many positions: as many k_r windows as the span needs
-        for n0 in range(0, N_KEYS, BLOCK_N):
-            k = _rows(k_src, stride_kn, n0, N_KEYS, offs_d, BLOCK_N, HEAD_DIM, TMA)
-            bd = _bd_general(query, kr_base, stride_rr, p_hi, p_lo, n0, qlen, R, offs_d,
-                             BLOCK_M, BLOCK_N, HEAD_DIM, DOT_DTYPE, INPUT_PRECISION, BD_BF16)
-            s = tl.dot(query.q_w, tl.trans(k.to(DOT_DTYPE)), bd, input_precision=INPUT_PRECISION)
-            s = _finish_scores(s, query, keys_base, mask_base, stride_mm,
-                               n0, N_KEYS, qlen, R, SEGMENTS, MASKING, CHECK_R, PACKED_KEYS, BLOCK_N)
-            acc, m_i, l_i = _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh,
-                                    pid_m * BLOCK_M, keep_threshold, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE,
-                                    INPUT_PRECISION, TMA)
+        raw_lo = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # no window carried on this path (unread)
+        acc, m_i, l_i, raw_lo = _fwd_key_tiles(
+            acc, m_i, l_i, raw_lo, query, q_r, k_src, kr_src, v_src, stride_kn, stride_rr, stride_vn, kr_base,
+            keys_base, mask_base, stride_mm, 0, free_end, p_hi, p_lo, flat_idx, N_KEYS, qlen, R, offs_d,
+            seed, pid_bh, pid_m * BLOCK_M, keep_threshold, False, True, SEGMENTS, MASKING, CHECK_R,
+            PACKED_KEYS, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, TMA, BD_BF16)
+        acc, m_i, l_i, raw_lo = _fwd_key_tiles(
+            acc, m_i, l_i, raw_lo, query, q_r, k_src, kr_src, v_src, stride_kn, stride_rr, stride_vn, kr_base,
+            keys_base, mask_base, stride_mm, free_end, N_KEYS, p_hi, p_lo, flat_idx, N_KEYS, qlen, R, offs_d,
+            seed, pid_bh, pid_m * BLOCK_M, keep_threshold, False, False, SEGMENTS, MASKING, CHECK_R,
+            PACKED_KEYS, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, DOT_DTYPE, INPUT_PRECISION, TMA, BD_BF16)
 
-    # 3. normalise; write the rows back to the caller's order
-    has_key = l_i > 0
-    out = acc * (keep_scale / tl.where(has_key, l_i, 1.0))[:, None]
+    # 3. normalise; write the rows back to the caller's order (padding rows, which may have summed
+    # the tiles every real row sees, see nothing: zeros, lse +inf)
+    has_key = (l_i > 0) & query.row_ok
+    out = tl.where(has_key[:, None], acc * (keep_scale / tl.where(has_key, l_i, 1.0))[:, None], 0.0)
     out_ptrs = OUT + b * stride_ob + h * stride_oh + query.src_row[:, None].to(tl.int64) * stride_om + offs_d[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=(rows < M)[:, None] & (offs_d < HEAD_DIM)[None, :])
     # natural-log lse of the scaled scores; +inf marks a row with no visible key

@@ -1004,6 +1004,68 @@ def test_packed_rank_codes_keep_every_rank_comparison(K, M, seed, segments):
     assert torch.equal(packed[:, :K] & KEY_SEG_MASK, keys[:, KEY_SEG, :K])
 
 
+@settings(max_examples=30, deadline=None)
+@given(K=st.integers(1, 40), M=st.integers(1, 12), seed=st.integers(0, 2**16), padding_rows=st.booleans(),
+       ranks=st.booleans())
+def test_free_key_counts_are_the_prefix_each_row_sees_whole(K, M, seed, padding_rows, ranks):
+    """ROW_FREE, per row: the number of leading keys whose ranks are all below the row's (the forward
+    runs the whole key tiles within every real row's count without the visibility test), for any
+    int32 ranks; 0 for a padding row; every key without rank masks."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels.contract import INT32_MAX, INT32_MIN, ROW_FREE, ROW_SRC
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([INT32_MIN, INT32_MIN + 1, -1, 0, 1, 2, 5, INT32_MAX - 1, INT32_MAX], dtype=torch.int32)
+    draw = lambda n: torch.where(torch.rand(2, n, generator=gen) < 0.5,  # noqa: E731
+                                 pool[torch.randint(0, len(pool), (2, n), generator=gen)],
+                                 torch.randint(-3, 4, (2, n), generator=gen, dtype=torch.int32))
+    q_rank, k_rank = (draw(M), draw(K)) if ranks else (None, None)
+    qlen = K
+    q_pos = torch.randint(-1, qlen, (2, M), generator=gen) if padding_rows else None
+    a = AttnArgs(None, None, None, None, None, q_rank, k_rank, q_pos, qlen, M, 0.125, 0.0, None)
+    rows, _ = kernels.mask_tables(a, 2, M, K, torch.device("cpu"))
+    free = torch.empty((2, M), dtype=torch.int32).scatter_(1, rows[..., ROW_SRC].long(), rows[..., ROW_FREE])
+    for b in range(2):
+        for i in range(M):
+            if q_pos is not None and q_pos[b, i] < 0:
+                expected = 0
+            elif q_rank is None:
+                expected = K
+            else:
+                below = (k_rank[b] < q_rank[b, i]).tolist() + [False]
+                expected = below.index(False)
+            assert free[b, i] == expected, (b, i)
+
+
+@pytest.mark.parametrize("ranks", [True, False])
+def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, monkeypatch):
+    """The forward runs the leading key tiles every real row of a query tile sees (memory keys here:
+    two tiles) without the visibility test. The segment term stays, and the padding rows among the
+    tile's rows, which sum those tiles too, still come out as zeros with no gradient: output and
+    gradients against float64, the free tiles checked to be there."""
+    from xlnet_fast import kernels
+    from xlnet_fast.kernels.contract import INT32_MIN, ROW_FREE, ROW_RANK
+
+    q_pos = torch.randint(-1, 30, (2, 23), generator=torch.Generator().manual_seed(3))
+    case = make_case(B=2, M=23, qlen=30, H=2, D=16, mlen=35, mask="rank" if ranks else None, self_visible=False,
+                     q_pos=q_pos, dtype=torch.float32).to(device=DEVICE)
+    seen = []
+    tables = kernels.mask_tables
+
+    def spy(a, B, M, K, device):
+        rows, keys = tables(a, B, M, K, device)
+        real = rows[..., ROW_RANK] != INT32_MIN
+        free = torch.where(real, rows[..., ROW_FREE], K)
+        for m0 in range(0, M, 16):  # the interpreter's query tiles (launch order: padding rows last)
+            seen.append((free[:, m0:m0 + 16].min().item(), (~real[:, m0:m0 + 16]).any().item()))
+        return rows, keys
+
+    monkeypatch.setattr(kernels, "mask_tables", spy)
+    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    assert any(free >= 32 and padding for free, padding in seen)  # padding rows, two or more free key tiles
+
+
 def test_rank_codes_of_padding_only_masks_trace_without_searchsorted():
     """Regression (H100, torch 2.11): the native model compiled with inductor failed on padding-only
     masks (every row's rank 1, a constant after tracing), because inductor's Triton code for
