@@ -213,7 +213,7 @@ def _rows_table(a, B: int, M: int, device, q_codes=None, q_rank=None, free=None)
         q_codes = q_codes.gather(1, order) if q_codes is not None else None
         # ranks: without a rank mask every real row sees every real key (rank 0 > the keys' -1)
         rank = torch.where(real, q_rank.gather(1, order) if q_rank is not None else 0, INT32_MIN)
-        rows[..., ROW_FREE] = free.gather(1, order).masked_fill_(~real, 0) if free is not None else 0
+        rows[..., ROW_FREE] = torch.where(real, free.gather(1, order), 0) if free is not None else 0
     rows[..., ROW_SEG] = q_codes if q_codes is not None else 0
     rows[..., ROW_RANK] = rank if rank is not None else 0
     rows[..., ROW_SRC] = order

@@ -115,11 +115,13 @@ def test_prepared_masks_build_nothing_per_call(gpu_like):
     assert ops.ops == {"randint": 1}, ops.ops  # the dropout seed, drawn on the device
 
 
-def test_preparing_two_stream_masks_takes_at_most_66_launches():
+def test_preparing_two_stream_masks_takes_at_most_75_launches():
     """The tables of pretraining's masks (both streams, ranks, segments, padding targets), built once per
-    forward and by every call given raw masks: 65 PyTorch ops that would each be a GPU launch (84 before
-    the fields were narrowed in their copies and the exclusive counts padded: bench/NOTES.md). On an
-    H100's host each costs ~20 us, more than the forward kernel's time at small shapes."""
+    forward and by every call given raw masks: 75 PyTorch ops that would each be a GPU launch (65
+    before each row's count of leading keys seen whole, for the forward's tiles without the rank
+    test: the keys' running maximum and its sort; 84 before the fields were narrowed in their copies
+    and the exclusive counts padded: bench/NOTES.md). On an H100's host each costs ~20 us, more than
+    the forward kernel's time at small shapes."""
     from bench.host_cost import _CountOps
 
     g = torch.Generator().manual_seed(0)
@@ -132,7 +134,7 @@ def test_preparing_two_stream_masks_takes_at_most_66_launches():
     with _CountOps() as ops:
         masks = xlnet_fast.prepare_two_stream_masks(B, L, K, device="cpu", backend="triton", **raw)
     assert masks.rows_table is not None
-    assert sum(ops.ops.values()) <= 66, ops.ops
+    assert sum(ops.ops.values()) <= 75, ops.ops
 
 
 def pretraining_step(n_layer: int):

@@ -29,15 +29,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 rel = functools.partial(rel_err, floor=1e-12)
 
 
-def agrees(fused, ref, eager_fp32, rtol: float) -> bool:
+def agrees(fused, ref, eager_fp32, rtol: float, head_dim: int = 16) -> bool:
     """The kernels' fp32 result against the float64 reference: within ``rtol``, or, where the exact
     value cancels to ~0 (a relative error then means nothing: e.g. one visible key, so dS = P(dP - δ)
     is 0 up to rounding), off by no more than 1e-6 or 3x what eager fp32 on the same inputs is off
-    (FlashAttention's tests' yardstick: the error fp32 itself makes)."""
+    (FlashAttention's tests' yardstick: the error fp32 itself makes). The 1e-6 is for head dim 16:
+    dP and δ are fp32 dot products of ``head_dim`` terms summed in different orders, whose rounding
+    grows like its square root (eager's softmax gradient cancels exactly instead: one key at D=64
+    left the kernels' q gradient 1.0004e-6 off, eager's 8e-8)."""
     if rel(fused, ref) < rtol:
         return True
     error = (fused.double() - ref).abs().max()
-    return bool(error < max(1e-6, 3 * float((eager_fp32.double() - ref).abs().max())))
+    floor = 1e-6 * max(1.0, math.sqrt(head_dim / 16))
+    return bool(error < max(floor, 3 * float((eager_fp32.double() - ref).abs().max())))
 
 
 CASES = {
@@ -814,6 +818,9 @@ def test_fuzz_triton_against_eager(B, qlen, mlen, targets, mask, self_visible, s
 @given(B=st.integers(1, 2), H=st.integers(2, 3), qlen=st.integers(1, 24), mlen=st.integers(0, 12),
        targets=st.booleans(), mask=st.sampled_from([None, "dense", "rank"]), self_visible=st.booleans(),
        seg=st.booleans(), uni=st.booleans(), per_batch=st.booleans(), seed=st.integers(0, 1000))
+# one key, one row: the q gradient cancels to ~0 (CI drew it: 1.0004e-6 off at D=64, see ``agrees``)
+@example(B=1, H=2, qlen=1, mlen=0, targets=False, mask=None, self_visible=False, seg=False, uni=False, per_batch=False,
+         seed=0)
 def test_fuzz_heads_and_head_dims_against_eager(D, B, H, qlen, mlen, targets, mask, self_visible, seg, uni, per_batch,
                                                 seed):
     """The fuzz grid over several heads (per-head offsets of every operand and table) and the head
@@ -829,9 +836,9 @@ def test_fuzz_heads_and_head_dims_against_eager(D, B, H, qlen, mlen, targets, ma
     out, g_tri = grads(triton_attention, case, dout)
     out_fp32, g_fp32 = grads(eager_attention, case, dout)
     ref, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
-    assert agrees(out, ref, out_fp32, 1e-5)
+    assert agrees(out, ref, out_fp32, 1e-5, D)
     for n, a, b, e in zip(GRAD_NAMES, g_tri, g_ref, g_fp32):
-        assert agrees(a, b, e, 1e-4), n
+        assert agrees(a, b, e, 1e-4, D), n
 
 
 def test_two_stream_single_launch_matches_eager():
