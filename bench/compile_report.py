@@ -3,7 +3,7 @@
     python -m bench.compile_report [--arch 80 86 89 90 100 120] [--D 64 128]
         [--streams content two-stream] [--dropout off on] [--deterministic off on] [--dtype bf16 fp32 fp32-tf32]
         [--configs 64x64w4s1 ...] [--candidates all|first] [--no-reference] [--jobs N]
-        [--json PATH | --record] [--table] [--check] [--gate]
+        [--json PATH | --record] [--table] [--lines ROLE ...] [--check] [--gate]
     python -m bench.compile_report --record-all [--jobs N]   # every committed record again (triton 3.6)
     python -m bench.compile_report --calibrate               # the time model against the GPU runs' times
 
@@ -48,6 +48,11 @@ PATH`` (one file), ``--record``
 the cache directory (``bench.runner``). Compiled records are cached there too, by everything that
 makes the binary, so a re-run compiles only what changed. The reference role of the dk_r kernel
 (which accumulates over query tiles) and of the fix-up is dK/dV.
+
+``--lines ROLE ...`` (e.g. ``--lines fwd --arch 90 --D 64 --configs 64x64w4s2 --streams content``)
+prints, for each op binary of those roles, where its key loop spends per source line
+(``launches.line_profile``): instructions and shared-memory B-eq per score, by kind of access; the
+lines sum to the binary's figures. Kernel work starts there: which product, load or gather costs.
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ import triton
 
 from bench import runner
 from bench.compiler import aot
-from bench.compiler.launches import DTYPES, ROLES, ROW_HEADER, Case, compile_all, log, op_tasks, reference_tasks, row
+from bench.compiler.launches import (DTYPES, ROLES, ROW_HEADER, Case, compile_all, line_profile, log, op_tasks,
+                                     reference_tasks, row)
 from bench.compiler.targets import (attach_dropout_overhead, attach_ratios, calibration, calibration_markdown,
                                     launchability, measured_times, number, summarise)
 
@@ -133,6 +139,22 @@ def all_cases(dims: list, streams: list, dropouts: list, deterministic: list, dt
             for det in deterministic for dtype in dtypes]
 
 
+def lines_table(record: dict, rows: list) -> str:
+    """``--lines``: one binary's key loop per source line (``launches.line_profile``), with its total."""
+    head = (f"sm_{record['arch']} D={record['D']} {record['role']} ({record['kernel']}) {record['config']}, "
+            f"{', '.join(record['scenarios'])}: the key loop per source line, per score")
+    out = [head, f"{'inst':>7} {'B-eq':>7} {'bytes':>7}  {'by kind (B-eq)':<24} {'where':<24} source"]
+    for r in rows:
+        kinds = ", ".join(f"{kind} {beq:g}" for kind, (_, beq) in r["by_kind"].items())
+        where = f"{r['file']}:{r['line']}" if r["line"] is not None else "(no source line)"
+        out.append(f"{r['inst_per_score']:7.2f} {r['smem_beq_per_score']:7.2f} {r['smem_bytes_per_score']:7.2f}  "
+                   f"{kinds:<24} {where:<24} {r['source'][:70]}")
+    total = [sum(r[k] for r in rows) for k in ("inst_per_score", "smem_beq_per_score", "smem_bytes_per_score")]
+    out.append(f"{total[0]:7.2f} {total[1]:7.2f} {total[2]:7.2f}  (sum; the record: {record['inst_per_score']} "
+               f"inst, {record['smem_beq_per_score']} B-eq, {record['smem_bytes_per_score']} bytes)")
+    return "\n".join(out)
+
+
 def write_report(path: Path, meta: dict, records: list, references: list, summary: list, operands: list) -> None:
     """JSON, one record per line: {meta..., "summary", "records", "references", "operand_kernels"}."""
     def rows(items):
@@ -167,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), help="compile workers")
     parser.add_argument("--no-cache", action="store_true", help="compile everything again")
     parser.add_argument("--table", action="store_true", help="print every binary's row")
+    parser.add_argument("--lines", nargs="+", choices=ROLES, metavar="ROLE",
+                        help="for each binary of these roles (" + ", ".join(ROLES) + "), its key loop per "
+                             "source line: instructions and shared-memory B-eq per score")
     parser.add_argument("--check", action="store_true", help="exit 1 on any problem against issue 20's targets")
     parser.add_argument("--record-all", action="store_true",
                         help="make every committed record again: " + " ; ".join(" ".join(run) for run in RECORD_ALL)
@@ -246,6 +271,10 @@ def main(argv=None) -> int:
         print()
     for s in summary:
         print(summary_line(s))
+    for task, record in zip(op, records):
+        if args.lines and task.info["role"] in args.lines and "error" not in record:
+            print()
+            print(lines_table(record, line_profile(task)))
     operand_problems = []
     for r in operand_records:
         problem = operand_problem(r)

@@ -15,6 +15,7 @@ bookkeeping on synthetic input.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -237,6 +238,44 @@ $L__BB0_0:
     both = sass.smem_traffic(ptx.replace("$L__BB0_1:", first_loop + "$L__BB0_1:", 1), params, table, 64, program)
     assert alone["reached"] == both["reached"] == 1
     assert both["by_kind"] == alone["by_kind"]  # the second loop's accesses, not the first's
+
+
+def test_traffic_and_instructions_are_placed_on_their_source_lines():
+    """``--lines`` (``launches.line_profile``): each shared-memory access counts on its PTX ``.loc``
+    line, in the file PTX's ``.file`` table (written after the kernel) names, and the lines add up to
+    the loop's figures; SASS instructions on their ``//## File`` lines, a nested loop's once."""
+    import numpy as np
+
+    key = sass.parse(_SASS).key_loop()
+    lines = key.lines_per_iteration()
+    assert lines == {("/src/k.py", 10): 4, ("/src/k.py", 12): 5}  # the inner loop's 5, once
+    assert sum(lines.values()) == sass.per_iteration(key, lambda loop: 1)["inst"]
+
+    def table(addresses, known, width):
+        index = (addresses - (1 << 36)) // 4
+        ok = known & (index >= 0) & (index < 64)
+        return np.where(ok, np.clip(index, 0, 63), 0), ok
+
+    ptx = (_PTX.replace("@%p3 ld.global", "ld.global")
+           .replace("$L__BB0_1:\n", "$L__BB0_1:\n\t.loc\t1 20 7\n")
+           .replace("\tld.shared.v4", "\t.loc\t1 21 3\n\tld.shared.v4")
+           .replace("\tst.shared.b32 \t[%r28", "\t.loc\t2 5 0\n\tst.shared.b32 \t[%r28")
+           .replace("\t@%p5 mbarrier", "\t.loc\t1 30 0\n\t@%p5 mbarrier")
+           + '\t.file\t1 "/src/k.py"\n\t.file\t2 "/src/other.py"\n')
+    params, program = {0: (1 << 36, True), 1: (8, True)}, [((0, 0, 0), (1, 1, 1))]
+    found = sass.smem_traffic(ptx, params, table, 64, program)
+    # the stores of line 20: 4 B a lane at 4 B, 128 B and table-placed 128 B apart (1 + 32 + 32 per
+    # warp), the guarded one (16 lanes of warp 0: 1); line 21's 16-byte loads; other.py's store
+    assert found["by_line"] == {("/src/k.py", 20): {"sts": [3 * 256 + 64, 2 * (1 + 32 + 32) + 1]},
+                                ("/src/k.py", 21): {"lds": [1024, 8]},
+                                ("/src/other.py", 5): {"sts": [256, 2]},
+                                ("/src/k.py", 30): {"tma": [8192, 64]}}
+    summed: dict = {}
+    for kinds in found["by_line"].values():
+        for kind, (moved, wavefronts) in kinds.items():
+            entry = summed.setdefault(kind, [0, 0])
+            entry[0], entry[1] = entry[0] + moved, entry[1] + wavefronts
+    assert summed == found["by_kind"]
 
 
 def test_smem_traffic_follows_table_values_unpacked_from_wider_loads():
@@ -498,6 +537,19 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     assert {(s["arch"], s["role"]) for s in written["summary"]} == {(a, r) for a, r, _ in wanted}
     assert all(s["predicted_ratio"] for s in written["summary"] if s["role"] != "fixup")
     assert run.returncode == 0, "what users run, against issue 20's targets and the ceilings:\n" + run.stdout[-4000:]
+    # --lines on one of those binaries (the run above cached its record): where its key loop spends
+    # per source line, the lines summing to the record's figures
+    cmd = [sys.executable, "-m", "bench.compile_report", "--arch", "90", "--D", "64", "--streams", "two-stream",
+           "--dropout", "off", "--deterministic", "off", "--configs", "64x64w4s2", "--no-reference",
+           "--lines", "fwd", "--json", str(tmp_path / "lines.json")]
+    lines = subprocess.run(cmd, cwd=ROOT, env=_compile_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert lines.returncode == 0, lines.stdout[-3000:] + lines.stderr[-3000:]
+    [sums] = re.findall(r"^ *([\d.]+) +([\d.]+) +([\d.]+)  \(sum; the record: ([\d.]+) inst, ([\d.]+) B-eq, "
+                        r"([\d.]+) bytes\)$", lines.stdout, re.M)
+    line_sums, recorded_figures = [float(x) for x in sums[:3]], [float(x) for x in sums[3:]]
+    assert line_sums == pytest.approx(recorded_figures, abs=0.02), lines.stdout[-3000:]
+    assert re.search(r"lds [\d.]+, sts [\d.]+ +rel_attention\.py:\d+ +return tl\.reshape\(tl\.gather", lines.stdout), \
+        "the skew's gather, named by its source line:\n" + lines.stdout[-3000:]
 
 
 def test_recorded_records_cover_the_candidates_and_pass_the_gate():

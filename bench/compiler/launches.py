@@ -370,6 +370,73 @@ def smem_traffic(launch: aot.Launch, arch: int, ptx: str, threads: int, scores: 
             "unresolved": found["unresolved"]}
 
 
+def line_profile(task: Task) -> list:
+    """Where the task's key loop spends, per source line (the innermost inlined one: a helper's line,
+    not its call site), per score: SASS instructions (nested loops once, as ``analyse``) and the
+    shared-memory traffic of ``smem_traffic`` (bytes and B-eq, by kind). Rows
+    ``{"file", "line", "source", "inst_per_score", "smem_bytes_per_score", "smem_beq_per_score",
+    "by_kind"}``, the costliest first; their sums are the record's figures. Lines of no source
+    (triton's own) are ``line`` None. Empty without a key loop. The traffic is placed by the PTX's
+    ``.loc`` lines, the instructions by nvdisasm's: with triton 3.6 (the GPU machines') a helper's
+    own lines; triton 3.9's debug info gives many inlined instructions their call site's line."""
+    launch, arch = task.launch, task.arch
+    config = launch_config(launch)
+    threads, scores = config.num_warps * 32, config.kwargs["BLOCK_M"] * config.kwargs["BLOCK_N"]
+    compiled = aot.compile_launch(launch, arch)
+    key_loop = sass.parse(compiled.sass).key_loop()
+    if key_loop is None:
+        return []
+    rows: dict = {}
+
+    def row_of(file, line):
+        where = (Path(file).name if file and line is not None else None, line)
+        return rows.setdefault(where, {"file": where[0], "line": line, "path": file, "inst_per_score": 0.0,
+                                       "smem_bytes_per_score": 0.0, "smem_beq_per_score": 0.0, "by_kind": {}})
+
+    for (file, line), n in key_loop.lines_per_iteration().items():
+        row_of(file, line)["inst_per_score"] += n * threads / scores
+    unplaced = sum(1 for loop in [key_loop, *key_loop.descendants()] for i in loop.own if i.line is None)
+    if unplaced:
+        row_of(None, None)["inst_per_score"] += unplaced * threads / scores
+    values, memory = aot.lane_inputs(launch, arch)
+    found = sass.smem_traffic(compiled.ptx, values, memory, threads, sampled_programs(aot.grid_size(launch)))
+    for (file, line), kinds in (found or {}).get("by_line", {}).items():
+        row = row_of(file, line)
+        for kind, (moved, wavefronts) in kinds.items():
+            entry = row["by_kind"].setdefault(kind, [0.0, 0.0])
+            entry[0] += moved / scores
+            entry[1] += 128 * wavefronts / scores
+            row["smem_bytes_per_score"] += moved / scores
+            row["smem_beq_per_score"] += 128 * wavefronts / scores
+    out = []
+    for row in rows.values():
+        out.append({**{k: v for k, v in row.items() if k != "path"}, "source": _source_line(row["path"], row["line"]),
+                    "inst_per_score": round(row["inst_per_score"], 4),
+                    "smem_bytes_per_score": round(row["smem_bytes_per_score"], 4),
+                    "smem_beq_per_score": round(row["smem_beq_per_score"], 4),
+                    "by_kind": {k: [round(b, 4), round(w, 4)] for k, (b, w) in sorted(row["by_kind"].items())}})
+    return sorted(out, key=lambda r: (-r["smem_beq_per_score"], -r["inst_per_score"], r["line"] or 0))
+
+
+def _source_line(path: str | None, line: int | None) -> str:
+    """Line ``line`` of the source file a binary names, stripped (""  if unknown). A binary from
+    triton's cache names the checkout it was first compiled in (same source, same lines: triton's key
+    holds every function's text and first line); if that is gone, the file of that name beside the
+    kernels or the reference here."""
+    if not path or line is None:
+        return ""
+    from xlnet_fast.kernels import rel_attention
+
+    from bench.compiler import fa2_reference
+
+    candidates = [Path(path)] + [Path(m.__file__).parent / Path(path).name for m in (rel_attention, fa2_reference)]
+    for candidate in candidates:
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            lines = candidate.read_text().splitlines()
+            return lines[line - 1].strip() if 0 < line <= len(lines) else ""
+    return ""
+
+
 def _analysis_version() -> str:
     """Changes when the code that reads binaries does, or the launcher that builds the tables the
     shared-memory count places its lanes by (the cache's validity: a key names a binary, not the

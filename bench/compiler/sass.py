@@ -83,6 +83,14 @@ class Loop:
         """(file, line) of the loop's own instructions, with multiplicities."""
         return Counter((i.file, i.line) for i in self.own if i.line is not None)
 
+    def lines_per_iteration(self) -> Counter:
+        """``source_lines`` of one iteration, each nested loop's once (as ``per_iteration`` counts
+        with one trip)."""
+        total = self.source_lines()
+        for child in self.children:
+            total += child.lines_per_iteration()
+        return total
+
     def descendants(self):
         for child in self.children:
             yield child
@@ -330,7 +338,8 @@ PTX_MMA = ("wgmma.mma_async", "mma.sync", "tcgen05.mma", "mma.sp")
 _PTX_LABEL = re.compile(r"^([$\w.]+):")
 _PTX_GUARD = re.compile(r"^@(!?)(%?\w+)\s+")
 _PTX_PARAM = re.compile(r"^\.param\s+\.(\w+)\b.*?(\w+)\s*,?$")
-_PTX_LOC = re.compile(r"^\.loc\s+\d+\s+(\d+)")
+_PTX_LOC = re.compile(r"^\.loc\s+(\d+)\s+(\d+)")
+_PTX_FILE = re.compile(r'^\.file\s+(\d+)\s+"([^"]+)"')
 _PTX_TYPE_BITS = {"b8": 8, "u8": 8, "s8": 8, "b16": 16, "u16": 16, "s16": 16, "f16": 16, "bf16": 16,
                   "b32": 32, "u32": 32, "s32": 32, "f32": 32, "b64": 64, "u64": 64, "s64": 64, "f64": 64}
 SHARED_WINDOW = 1 << 18  # bytes of shared memory followed (every arch's per-block limit is below)
@@ -349,6 +358,7 @@ class PtxOp:
     opcode: str
     args: list
     line: int | None
+    file: str | None = None  # the source file of ``line`` (PTX's ``.file`` table, read after the kernel)
 
     def __post_init__(self):
         self.parts = self.opcode.split(".")
@@ -381,14 +391,19 @@ def _split_args(text: str) -> list:
 def parse_ptx(text: str) -> tuple:
     """(ops, {label: op index}, [(param name, PTX type)]) of the first kernel in ``text``; labels
     inside an inline-asm scope ({ ... } below the kernel's own) are renamed apart."""
-    ops, labels, params, scopes, line, serial = [], {}, [], [{}], None, 0
+    ops, labels, params, scopes, file, line, serial = [], {}, [], [{}], None, None, 0
+    files, file_of = {}, {}  # .file index -> path; op index -> .file index
     for raw in text.splitlines():
         code = raw.split("//", 1)[0].strip()
         if not code:
             continue
         found = _PTX_LOC.match(code)
         if found:
-            line = int(found.group(1))
+            file, line = found.group(1), int(found.group(2))
+            continue
+        found = _PTX_FILE.match(code)
+        if found:
+            files[found.group(1)] = found.group(2)
             continue
         found = _PTX_PARAM.match(code)
         if found:
@@ -419,8 +434,12 @@ def parse_ptx(text: str) -> tuple:
             args = _split_args(rest.strip())
             if opcode.split(".")[0] == "bra" and args:
                 args[-1] = next((s[args[-1]] for s in reversed(scopes) if args[-1] in s), args[-1])
+            if line is not None:
+                file_of[len(ops)] = file
             ops.append(PtxOp(len(ops), (guard.group(2), guard.group(1) == "!") if guard else None, opcode, args,
                              line))
+    for op in ops:
+        op.file = files.get(file_of.get(op.index))
     return ops, labels, params
 
 
@@ -865,7 +884,8 @@ def _topological(successors: list, idom: list) -> tuple:
 
 def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: list) -> dict | None:
     """The key loop's shared-memory accesses, one iteration, averaged over ``programs`` (CTA ids):
-    ``{"bytes", "wavefronts", "unresolved", "by_kind": {kind: [bytes, wavefronts]}}`` per CTA.
+    ``{"bytes", "wavefronts", "unresolved", "by_kind": {kind: [bytes, wavefronts]}, "by_line":
+    {(file, line): {kind: [bytes, wavefronts]}}}`` per CTA (``by_line``: the PTX's source lines).
     ``param_values``: {PTX parameter index: (value, known)}; ``memory(address, known, width)``:
     (values, known) of a global load; ``reached``: how many of ``programs`` enter the key loop (a
     program that returns first, e.g. a FIX_UP launch's without work, adds nothing). None without a
@@ -885,7 +905,7 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     order, back = _topological(successors, idom)
     last_needed = max(order.index(b) for b in key.blocks)
     named = {name: param_values.get(i, (0, False)) for i, (name, _) in enumerate(params)}
-    found = {"bytes": 0, "wavefronts": 0, "unresolved": 0, "by_kind": {}, "reached": 0}
+    found = {"bytes": 0, "wavefronts": 0, "unresolved": 0, "by_kind": {}, "by_line": {}, "reached": 0}
     for ctaid, nctaid in programs:
         entered = False
         state = _Threads(threads, ctaid, nctaid, named, memory)
@@ -909,9 +929,11 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
                         found["bytes"] += access["bytes"]
                         found["wavefronts"] += access["wavefronts"]
                         found["unresolved"] += access["unresolved"]
-                        entry = found["by_kind"].setdefault(access["kind"], [0, 0])
-                        entry[0] += access["bytes"]
-                        entry[1] += access["wavefronts"]
+                        for entry in (found["by_kind"].setdefault(access["kind"], [0, 0]),
+                                      found["by_line"].setdefault((op.file, op.line), {}).setdefault(
+                                          access["kind"], [0, 0])):
+                            entry[0] += access["bytes"]
+                            entry[1] += access["wavefronts"]
                 _execute(state, op, run)
                 state.doubtful = np.zeros(threads, bool)
             last = block[-1]
@@ -944,4 +966,6 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     n = len(programs)
     return {"bytes": found["bytes"] / n, "wavefronts": found["wavefronts"] / n, "unresolved": found["unresolved"],
             "by_kind": {k: [b / n, w / n] for k, (b, w) in sorted(found["by_kind"].items())},
+            "by_line": {where: {k: [b / n, w / n] for k, (b, w) in sorted(kinds.items())}
+                        for where, kinds in found["by_line"].items()},
             "reached": found["reached"]}
