@@ -545,7 +545,8 @@ def _static_args(shape: _Shape) -> dict:
                  stride_om=out_strides[1], stride_oh=out_strides[2],
                  # q_r from registers pays on wgmma (sm_90) only: on mma.sync it cost sm_120's and sm_80's
                  # forward registers and spills (bench/NOTES.md, kernel v4 step 4)
-                 Q_R_REGISTERS=shape.arch is None or _k.arch_family(shape.arch) == 90),
+                 Q_R_REGISTERS=shape.arch is None or _k.arch_family(shape.arch) == 90,
+                 FREE_TILES=_runs_free_key_tiles(shape.arch, block_d, shape.dtype.itemsize)),
         # the dK/dV kernel's keys are its program's: it reads their segment codes from KEY_SEG (valid
         # with packed tables too); taken from the packed field per query tile, sm_90's 64x64w4s1
         # went 180 -> 300 B of spill
@@ -605,6 +606,19 @@ def _dkr_splits(batch_per_kr: int, programs: int, device_index: int | None) -> i
         multiprocessors = torch.cuda.get_device_properties(device_index).multi_processor_count
     wanted = max(1, min(batch_per_kr, triton.cdiv(DKR_PROGRAMS_PER_SM * multiprocessors, programs)))
     return triton.cdiv(batch_per_kr, triton.cdiv(batch_per_kr, wanted))
+
+
+def _runs_free_key_tiles(arch: int | None, block_d: int, itemsize: int) -> bool:
+    """Whether the forward runs the key tiles every real row of its query tile sees in a loop of
+    their own, without the visibility test (``FREE_TILES``; always in the interpreter, which checks
+    both ways): where the compile records show the second loop's registers cost no spills in the key
+    loop, with 16-bit inputs at BLOCK_D <= 64 on every GPU and at BLOCK_D = 128 on sm_90. Elsewhere it
+    spilled: D=128 on sm_86/89 and sm_120 (their picks 388 -> 1,080 and 396 -> 1,520 B, no spill-free
+    build left) and sm_100 (its spill-free tcgen05 build lost); fp32 on every arch (sm_80's spill-free
+    TF32 build lost, the tf32x3 builds' spills doubled): bench/NOTES.md."""
+    if arch is None:
+        return True
+    return itemsize == 2 and (block_d <= 64 or _k.arch_family(arch) == 90)
 
 
 def _loads_column_numbers(arch: int | None, deterministic: bool, itemsize: int) -> bool:

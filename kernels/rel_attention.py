@@ -17,7 +17,7 @@ Per (query tile, key tile) the score tile is built in registers and never writte
 * masks — ranks (``k_rank[j] < q_rank[i]``, or the row's own key when its self bit is set), a dense
   bool tile, padding rows (negative position), k_r rows past the end ("uni"). The forward runs the
   leading key tiles that every real row of its query tile sees (``ROW_FREE``: XLNet's memory keys, a
-  causal tile's past) in a loop without the rank test, as FlashAttention masks only diagonal tiles.
+  causal tile's past) in a loop without the rank test where the launcher says it pays (``FREE_TILES``).
 
 Banded tiles. The launcher orders the query rows by position (``ROWS`` maps tile rows to the caller's
 rows; see ``ROW_GROUP``), so a tile's positions usually span fewer than BLOCK_M values (always for the content
@@ -445,13 +445,13 @@ def _attend(s, acc, m_i, l_i, v_src, stride_vn, n0, N_KEYS, offs_d, seed, pid_bh
 
 @triton.jit
 def _free_tiles_end(rows_base, rows, row_ok, N_KEYS, MASKING: tl.constexpr, CHECK_R: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    FREE_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """The end of the leading whole key tiles that every real row of the tile sees (the least of
     their ROW_FREE counts, rounded down to BLOCK_N): the forward runs them without the visibility
     test, as FlashAttention masks only its diagonal tiles (XLNet's memory keys: 384 of 896 at the
-    pretraining shape; a causal tile's keys before its first row; every tile without rank masks but
-    the last). 0 with a dense mask or k_r rows to check (CHECK_R): every tile tested."""
-    if MASKING == MASK_DENSE or CHECK_R:
+    pretraining shape; a causal tile's keys before its first row). 0 (one loop, every tile tested)
+    with a dense mask, k_r rows to check (CHECK_R), or where a second loop costs spills (FREE_TILES)."""
+    if not FREE_TILES or MASKING == MASK_DENSE or CHECK_R:
         return 0
     free = tl.load(rows_base + rows * ROW_FIELDS + ROW_FREE, mask=row_ok, other=INT32_MAX)
     return tl.minimum(tl.min(free, axis=0), N_KEYS) // BLOCK_N * BLOCK_N
@@ -494,7 +494,7 @@ def _fwd_kernel(
     stride_mb, stride_mm, stride_ob, stride_om, stride_oh,
     H, M, N_KEYS, R, qlen, qk_scale, SEED, keep_threshold, keep_scale,
     SEGMENTS: tl.constexpr, MASKING: tl.constexpr, BANDED_ONLY: tl.constexpr, CHECK_R: tl.constexpr,
-    PACKED_KEYS: tl.constexpr,
+    PACKED_KEYS: tl.constexpr, FREE_TILES: tl.constexpr,
     DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_WARPS: tl.constexpr,
     TMA: tl.constexpr = False, Q_R_REGISTERS: tl.constexpr = False,
@@ -540,7 +540,7 @@ def _fwd_kernel(
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     # the key tiles before free_end every real row of the tile sees: no visibility test there
-    free_end = _free_tiles_end(rows_base, rows, query.row_ok, N_KEYS, MASKING, CHECK_R, BLOCK_N)
+    free_end = _free_tiles_end(rows_base, rows, query.row_ok, N_KEYS, MASKING, CHECK_R, FREE_TILES, BLOCK_N)
     if banded:
         # 2. banded tiles: carry the lower half of each k_r window to the next key tile
         kr_lo = _rows(kr_src, stride_rr, qlen - p_hi, R, offs_d, BLOCK_N, HEAD_DIM, TMA)

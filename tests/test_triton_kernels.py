@@ -1045,14 +1045,18 @@ def test_free_key_counts_are_the_prefix_each_row_sees_whole(K, M, seed, padding_
             assert free[b, i] == expected, (b, i)
 
 
+@pytest.mark.parametrize("free_tiles", [True, False])
 @pytest.mark.parametrize("ranks", [True, False])
-def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, monkeypatch):
+def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, free_tiles, monkeypatch):
     """The forward runs the leading key tiles every real row of a query tile sees (memory keys here:
     two tiles) without the visibility test. The segment term stays, and the padding rows among the
     tile's rows, which sum those tiles too, still come out as zeros with no gradient: output and
-    gradients against float64, the free tiles checked to be there."""
+    gradients against float64, the free tiles checked to be there. Where the launcher leaves that
+    loop out (``FREE_TILES``), the one loop tests every tile: the same figures."""
     from xlnet_fast import kernels
     from xlnet_fast.kernels.contract import INT32_MIN, ROW_FREE, ROW_RANK
+
+    monkeypatch.setattr(kernels, "_runs_free_key_tiles", lambda arch, block_d, itemsize: free_tiles)
 
     q_pos = torch.randint(-1, 30, (2, 23), generator=torch.Generator().manual_seed(3))
     case = make_case(B=2, M=23, qlen=30, H=2, D=16, mlen=35, mask="rank" if ranks else None, self_visible=False,
@@ -1069,8 +1073,26 @@ def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, monkeypat
         return rows, keys
 
     monkeypatch.setattr(kernels, "mask_tables", spy)
-    assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+    kernels.clear_launches()
+    try:
+        assert_matches_eager(case, torch.randn(case.q.shape, device=DEVICE))
+        assert {plan["fwd"]["FREE_TILES"] for plan in kernels._STATIC.values()} == {free_tiles}
+    finally:
+        kernels.clear_launches()
     assert any(free >= 32 and padding for free, padding in seen)  # padding rows, two or more free key tiles
+
+
+def test_the_free_key_tiles_run_where_they_cost_no_spills():
+    """The launcher's choice of the forward's second loop (``FREE_TILES``) follows the compile
+    records: 16-bit inputs at D <= 64 everywhere and at D=128 on sm_90 only; never with fp32; always
+    in the interpreter (arch None), which the test above runs both ways."""
+    from xlnet_fast import kernels
+
+    assert [kernels._runs_free_key_tiles(arch, block_d, 2) for arch, block_d in (
+        (80, 64), (86, 64), (90, 64), (100, 64), (120, 64), (90, 128), (80, 128), (89, 128), (100, 128),
+        (120, 128))] == [True] * 6 + [False] * 4
+    assert not any(kernels._runs_free_key_tiles(arch, 64, 4) for arch in (80, 90, 100, 120))
+    assert kernels._runs_free_key_tiles(None, 128, 4)
 
 
 def test_rank_codes_of_padding_only_masks_trace_without_searchsorted():
