@@ -33,7 +33,9 @@ held to launchability, spills and register cliffs only), ``candidate`` (its plac
 ``scenarios``, ``flags``, ``config``, ``regs``, ``spill_bytes`` (= ``spill_store_bytes`` +
 ``spill_load_bytes``), ``smem_bytes``, ``tmem_columns``, ``launchable``, ``mma``, ``per_iteration``,
 ``inst_per_score``, ``smem_bytes_per_score``, ``smem_beq_per_score``, ``smem_traffic`` (by kind of
-access), ``local_bytes_per_score``, ``resident_warps``, ``predicted``, ``ratio_to_reference``,
+access), ``local_bytes_per_score``, ``free_loops`` (the forward's loop over the key tiles every row
+sees, ``FREE_TILES``: its address, inst/score and local bytes/score; the other columns are the general
+loop's), ``resident_warps``, ``predicted``, ``ratio_to_reference``,
 ``reference`` (the same figures of the reference binary) and, with dropout, ``dropout_overhead``. The
 reference is also compiled at its own tiles (``REFERENCE_CONFIG``, what a GPU run times it at).
 Per (arch, D, role) the report prints the configs compiled and launchable, the best launchable

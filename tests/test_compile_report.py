@@ -217,7 +217,11 @@ def test_of_two_loops_of_the_same_products_the_general_one_is_the_key_loop():
     branches back (it passed no thread on, and every CTA read as never entering the key loop)."""
     import numpy as np
 
-    assert sass.parse(_SASS_TWO_LOOPS).key_loop().head == 0x30
+    code = sass.parse(_SASS_TWO_LOOPS)
+    assert code.key_loop().head == 0x30
+    assert [loop.head for loop in code.lighter_twins(code.key_loop())] == [0x10]  # reported apart
+    nested = sass.parse(_SASS)  # a loop inside the key loop is not a twin
+    assert nested.lighter_twins(nested.key_loop()) == []
 
     def table(addresses, known, width):
         index = (addresses - (1 << 36)) // 4
@@ -531,6 +535,10 @@ def test_what_users_run_compiles_for_sm80_and_sm90(tmp_path):
     timed = [r for r in records if r["role"] != "fixup"]
     assert all(r["smem_beq_per_score"] >= r["smem_bytes_per_score"] > 0 and not r["smem_traffic"]["unresolved"]
                and r["resident_warps"] and r["predicted"] for r in timed)
+    # the forward's key tiles every row sees (16-bit, D=64: FREE_TILES) in a loop of their own, lighter
+    forwards = [r for r in records if r["role"] == "fwd"]
+    assert all(r["flags"]["FREE_TILES"] and len(r["free_loops"]) == 1
+               and r["free_loops"][0]["inst_per_score"] < r["inst_per_score"] for r in forwards)
     idle = [r for r in records if r["role"] == "fixup"]
     assert all(r["smem_traffic"]["not_reached"] and r["smem_beq_per_score"] is None and r["predicted"] is None
                and r["resident_warps"] and r["inst_per_score"] for r in idle)
@@ -560,6 +568,7 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
     So do their operand kernels (no spill, launchable): triton 3.6's sm_120 build of the backward's
     finishing kernel at D=128 spilled 12 B when it summed 64 rows a step (3.9's did not)."""
     from bench import compile_report
+    from xlnet_fast import kernels
     from xlnet_fast.kernels import rel_attention
 
     paths = sorted(runner.RESULTS_DIR.glob("compile_*.json"))
@@ -575,6 +584,13 @@ def test_recorded_records_cover_the_candidates_and_pass_the_gate():
             if sorted(wanted) != sorted(c["config"] for c in s["configs"]):
                 problems.append(f"{where}: records {[c['config'] for c in s['configs']]}, candidates now {wanted}")
             problems += [f"{where}: {p}" for p in report.regressions(s, version="3.6")]
+        for r in written["records"]:  # the forward's free key tiles: a loop of their own where the launcher says
+            if r["role"] == "fwd" and r.get("inst_per_score") is not None:
+                itemsize = 4 if r["dtype"].startswith("fp32") else 2
+                wanted = kernels._runs_free_key_tiles(r["arch"], r["flags"]["BLOCK_D"], itemsize)
+                if r["flags"]["FREE_TILES"] != wanted or len(r["free_loops"]) != wanted:
+                    problems.append(f"{path.name} {r['arch']} D={r['D']} fwd {r['config']}: FREE_TILES "
+                                    f"{r['flags']['FREE_TILES']}, {len(r['free_loops'])} free loops; launcher {wanted}")
         assert written["operand_kernels"], f"{path.name}: no operand kernel records"
         problems += [f"{path.name}: {p}" for p in map(compile_report.operand_problem, written["operand_kernels"]) if p]
     assert not problems, "re-run python -m bench.compile_report --record, or fix the kernels:\n" + "\n".join(

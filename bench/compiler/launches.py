@@ -326,16 +326,26 @@ def analyse(task: Task) -> dict:
     if key_loop is None:
         return {**out, "key_loop": None, "per_iteration": None, "inst_per_score": None, "smem_traffic": None,
                 "smem_bytes_per_score": None, "smem_beq_per_score": None, "local_bytes_per_score": None}
+    per_score = warps * 32 / (bm * bn)
     counts = sass.per_iteration(key_loop, lambda loop: 1)  # static: nested loops once
     nested = [len(loop.own) for loop in key_loop.descendants()]  # instructions of each nested loop
     traffic = smem_traffic(launch, arch, compiled.ptx, warps * 32, bm * bn)
-    local = sum(sass.access_bytes(i) for loop in [key_loop, *key_loop.descendants()] for i in loop.own
-                if i.base in ("LDL", "STL")) * warps * 32 / (bm * bn)  # spills: one lane's bytes, coalesced
+
+    def local_bytes(loop):  # spills: one lane's bytes, coalesced
+        return sum(sass.access_bytes(i) for each in [loop, *loop.descendants()] for i in each.own
+                   if i.base in ("LDL", "STL")) * per_score
+
+    # the forward's key tiles every row sees run in a loop of their own (FREE_TILES): its figures
+    # apart, as the time model's columns are the general loop's (a tile that is tested)
+    free = [{"address": hex(loop.head),
+             "inst_per_score": round(sass.per_iteration(loop, lambda _: 1)["inst"] * per_score, 2),
+             "local_bytes_per_score": round(local_bytes(loop), 2)} for loop in code.lighter_twins(key_loop)]
     return {**out, "key_loop": {"address": hex(key_loop.head), "nested_loops": nested},
             "per_iteration": {name: counts.get(name, 0) for name in COUNTED},
-            "inst_per_score": round(counts["inst"] * warps * 32 / (bm * bn), 2), "smem_traffic": traffic,
+            "inst_per_score": round(counts["inst"] * per_score, 2), "smem_traffic": traffic,
             "smem_bytes_per_score": traffic and traffic["bytes_per_score"],
-            "smem_beq_per_score": traffic and traffic["beq_per_score"], "local_bytes_per_score": round(local, 2)}
+            "smem_beq_per_score": traffic and traffic["beq_per_score"],
+            "local_bytes_per_score": round(local_bytes(key_loop), 2), "free_loops": free}
 
 
 def sampled_programs(grid: tuple) -> list:

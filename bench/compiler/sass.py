@@ -120,6 +120,12 @@ class Sass:
         # instructions is the general one
         return max(candidates, key=lambda loop: (loop.own_mma(), -loop.depth(), len(loop.own)))
 
+    def lighter_twins(self, key: Loop) -> list:
+        """The other loops of the key loop's products (as many MMAs, as deep): the forward's loop over
+        the key tiles every row sees, which leaves out the visibility test (``FREE_TILES``)."""
+        return [loop for loop in self.loops
+                if loop is not key and loop.own_mma() == key.own_mma() and loop.depth() == key.depth()]
+
 
 def _instructions(text: str) -> tuple:
     """Instructions (NOPs dropped) and {label: address} of an ``nvdisasm -c -gi`` listing."""
