@@ -210,6 +210,44 @@ _SASS_TWO_LOOPS = """
 """
 
 
+# sm_86's forward with dropout (triton 3.6): ptxas leaves the first loop by a call that pushes no
+# return address, to a label on a NOP
+_SASS_CALL_EXIT = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R10, R4 ;
+        /*0030*/              @!P1 CALL.REL.NOINC `(.L_x_1) ;
+        /*0040*/                   BRA `(.L_x_2) ;
+.L_x_1:
+        /*0050*/                   NOP ;
+        /*0060*/                   S2R R14, SR_TID.X ;
+.L_x_3:
+        /*0070*/                   HMMA.16816.F32.BF16 R4, R8, R10, R4 ;
+        /*0080*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm70_shflsync_bfly) ;
+        /*0090*/                   FSEL R5, R5, -INF , P2 ;
+        /*00a0*/               @P2 BRA `(.L_x_3) ;
+        /*00b0*/                   EXIT ;
+$__internal_0_$__cuda_sm70_shflsync_bfly:
+        /*00c0*/                   SHFL.BFLY PT, R3, R4, R5, R6 ;
+        /*00d0*/                   RET.REL.NODEC R20 `(xlnet_kernel) ;
+.L_x_4:
+        /*00e0*/                   BRA `(.L_x_4);
+"""
+
+
+def test_a_loop_left_by_a_call_without_return_and_a_label_on_a_nop_lose_no_code():
+    """Regression: the code after a loop that ptxas leaves by ``CALL.REL.NOINC`` (a jump), to a label
+    on a NOP, read as unreachable: the forward's general key loop went unseen and the free-tile loop
+    before it was taken for the key loop (sm_86/89 with dropout: 35.31 inst/score recorded, the free
+    loop's). A call to a label ends its block with an edge to its target, a call to a subroutine
+    (which returns) does not; a label names the next instruction kept."""
+    code = sass.parse(_SASS_CALL_EXIT)
+    assert [loop.head for loop in code.loops] == [0x20, 0x70]
+    assert code.key_loop().head == 0x70
+    assert [len(loop.own) for loop in code.loops] == [3, 4]
+
+
 def test_of_two_loops_of_the_same_products_the_general_one_is_the_key_loop():
     """Regression: where a kernel runs its tiles in two loops of the same MMAs (the forward's tiles
     every row sees, then the rest), the key loop is the one with more instructions, in SASS and in

@@ -48,6 +48,10 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 _PREDICATE_OPERAND = re.compile(r"\s*(!?U?P[T0-9]+)\s*,")
 _ENDS_BLOCK = {"BRA", "BRX", "JMP", "JMX", "EXIT", "RET", "KILL", "BPT"}
 _NO_FALLTHROUGH = {"BRX", "JMX", "RET", "KILL", "BPT"}  # when unpredicated, also BRA/JMP/EXIT
+# a call to a label of the kernel's own code is a jump: ptxas leaves some loops by one (``@!P1
+# CALL.REL.NOINC `(.L_x_1)``, sm_86's forward with dropout); a call to a subroutine
+# (``$__internal_0_$__cuda_sm70_shflsync_bfly``, which returns by RET.REL.NODEC) is not
+_JUMP_CALL = "CALL.REL.NOINC"
 
 
 @dataclass
@@ -62,7 +66,8 @@ class Instruction:
 
     @property
     def base(self) -> str:
-        return self.opcode.split(".")[0]
+        """The opcode without modifiers; a call to a label (``_JUMP_CALL``) reads as BRA."""
+        return "BRA" if self.target and self.opcode.startswith(_JUMP_CALL) else self.opcode.split(".")[0]
 
 
 @dataclass
@@ -144,11 +149,11 @@ def _instructions(text: str) -> tuple:
         if not found:
             continue
         address, predicate, opcode, operands = int(found.group(1), 16), found.group(2), found.group(3), found.group(4)
+        if opcode == "NOP":  # dropped: a label on it names the next instruction kept
+            continue
         for label in pending:
             labels[label] = address
         pending = []
-        if opcode == "NOP":
-            continue
         target = _TARGET.search(operands)
         # a guard (@P0 BRA ...), or a branch's own predicate operand (BRA.U !UP3, `(.L_x_24))
         guard = (predicate or "").strip().lstrip("@")
