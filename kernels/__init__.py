@@ -611,14 +611,14 @@ def _dkr_splits(batch_per_kr: int, programs: int, device_index: int | None) -> i
 def _runs_free_key_tiles(arch: int | None, block_d: int, itemsize: int) -> bool:
     """Whether the forward runs the key tiles every real row of its query tile sees in a loop of
     their own, without the visibility test (``FREE_TILES``; always in the interpreter, which checks
-    both ways): where the compile records show the second loop's registers cost no spills in the key
-    loop, with 16-bit inputs at BLOCK_D <= 64 on every GPU and at BLOCK_D = 128 on sm_90. Elsewhere it
-    spilled: D=128 on sm_86/89 and sm_120 (their picks 388 -> 1,080 and 396 -> 1,520 B, no spill-free
-    build left) and sm_100 (its spill-free tcgen05 build lost); fp32 on every arch (sm_80's spill-free
-    TF32 build lost, the tf32x3 builds' spills doubled): bench/NOTES.md."""
+    both ways): where the time model, the spills outside the key loops priced in, predicts a gain at
+    the pretraining shape (6 of 14 key tiles free; bench/NOTES.md, 2026-11-29): 16-bit inputs at
+    BLOCK_D <= 64 on every GPU and at 128 on sm_90 and sm_100 (+1.4%). Not at 128 on the mma.sync
+    GPUs (sm_80/86/89/120: within 0.4% either way, and their spill-free builds kept), nor with fp32
+    (sm_90's TF32 pick 3% slower with it; sm_80's a wash, its spill-free build lost)."""
     if arch is None:
         return True
-    return itemsize == 2 and (block_d <= 64 or _k.arch_family(arch) == 90)
+    return itemsize == 2 and (block_d <= 64 or _k.arch_family(arch) in (90, 100))
 
 
 def _loads_column_numbers(arch: int | None, deterministic: bool, itemsize: int) -> bool:

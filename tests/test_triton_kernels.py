@@ -1084,13 +1084,13 @@ def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, free_tile
 
 def test_the_free_key_tiles_run_where_they_cost_no_spills():
     """The launcher's choice of the forward's second loop (``FREE_TILES``) follows the compile
-    records: 16-bit inputs at D <= 64 everywhere and at D=128 on sm_90 only; never with fp32; always
-    in the interpreter (arch None), which the test above runs both ways."""
+    records: 16-bit inputs at D <= 64 everywhere and at D=128 on sm_90 and sm_100; never with fp32;
+    always in the interpreter (arch None), which the test above runs both ways."""
     from xlnet_fast import kernels
 
     assert [kernels._runs_free_key_tiles(arch, block_d, 2) for arch, block_d in (
-        (80, 64), (86, 64), (90, 64), (100, 64), (120, 64), (90, 128), (80, 128), (89, 128), (100, 128),
-        (120, 128))] == [True] * 6 + [False] * 4
+        (80, 64), (86, 64), (90, 64), (100, 64), (120, 64), (90, 128), (100, 128), (80, 128), (89, 128),
+        (120, 128))] == [True] * 7 + [False] * 3
     assert not any(kernels._runs_free_key_tiles(arch, 64, 4) for arch in (80, 90, 100, 120))
     assert kernels._runs_free_key_tiles(None, 128, 4)
 
