@@ -449,8 +449,8 @@ def _free_tiles_end(rows_base, rows, row_ok, N_KEYS, MASKING: tl.constexpr, CHEC
     """The end of the leading whole key tiles that every real row of the tile sees (the least of
     their ROW_FREE counts, rounded down to BLOCK_N): the forward runs them without the visibility
     test, as FlashAttention masks only its diagonal tiles (XLNet's memory keys: 384 of 896 at the
-    pretraining shape; a causal tile's keys before its first row). 0 (one loop, every tile tested)
-    with a dense mask, k_r rows to check (CHECK_R), or where a second loop costs spills (FREE_TILES)."""
+    pretraining shape; a causal tile's keys before its first row; all but the last without rank masks).
+    0 (one loop, every tile tested) with a dense mask, k_r rows to check, or not FREE_TILES (launcher's)."""
     if not FREE_TILES or MASKING == MASK_DENSE or CHECK_R:
         return 0
     free = tl.load(rows_base + rows * ROW_FIELDS + ROW_FREE, mask=row_ok, other=INT32_MAX)

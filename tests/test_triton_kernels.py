@@ -1082,9 +1082,9 @@ def test_key_tiles_every_row_sees_skip_only_the_visibility_test(ranks, free_tile
     assert any(free >= 32 and padding for free, padding in seen)  # padding rows, two or more free key tiles
 
 
-def test_the_free_key_tiles_run_where_they_cost_no_spills():
+def test_the_free_key_tiles_run_where_the_time_model_predicts_a_gain():
     """The launcher's choice of the forward's second loop (``FREE_TILES``) follows the compile
-    records: 16-bit inputs at D <= 64 everywhere and at D=128 on sm_90 and sm_100; never with fp32;
+    records' predicted times (bench/NOTES.md, 2026-11-29): 16-bit inputs at D <= 64 everywhere and at D=128 on sm_90 and sm_100; never with fp32;
     always in the interpreter (arch None), which the test above runs both ways."""
     from xlnet_fast import kernels
 
