@@ -1156,6 +1156,12 @@ def _dropout_mask_kernel(KEEP, SEED, keep_threshold, M, N_KEYS, BLOCK_M: tl.cons
 # warps per SM; the model ranks it first: bench/NOTES.md, kernel v4 step 2). The first candidate is
 # what deterministic mode runs: sm_90's forward autotuner chose 64x64w4s2 in 33 of the GPU runs' 36
 # D=64 tunings (bench/NOTES.md, "Deterministic mode's forward").
+# 128x128 tiles in two warpgroups (sm_90's forward and dK/dV, sm_100's forward) halve the k, v and
+# k_r fills per score; with the skew's window in 16 bits they fit in shared memory (sm_90's
+# two-stage forward: 193 KB at D=64; it does not fit at D=128). The time model ranks them first at
+# 176-936 B of spill: 10% (sm_90 forward), 22% (sm_90 dK/dV), 7-25% (sm_100 forward) below the
+# builds it ranked first before; last, so neither the first guess nor deterministic mode's config
+# changes until a GPU has timed them (bench/NOTES.md, "128-row tiles").
 CANDIDATES = {
     80: {"fwd": ("64x64w4s2r255", "64x64w4s1r255", "32x64w4s1r255", "64x128w8s1r255", "32x32w2s2r255"),
          "dkdv": ("32x32w2s2r255", "64x64w4s1r255", "32x32w4s1r255", "64x64w4s2r255", "32x32w4s2r255"),
@@ -1165,11 +1171,11 @@ CANDIDATES = {
          "dkdv": ("32x32w2s2r255", "64x64w4s1r255", "32x32w4s1r255", "32x32w4s2r255"),
          "dq": ("32x32w4s1r255", "32x32w4s2r255", "32x32w2s2r255", "64x64w4s1r255"),
          "dkr": ("32x32w4s1r255", "32x32w2s2r255", "32x64w4s1r255", "32x32w4s2r255")},
-    90: {"fwd": ("64x64w4s2", "64x64w4s1", "64x128w4s1", "32x64w4s1", "64x64w4s1r168"),
-         "dkdv": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w2s2"),
+    90: {"fwd": ("64x64w4s2", "64x64w4s1", "64x128w4s1", "32x64w4s1", "64x64w4s1r168", "128x128w8s2"),
+         "dkdv": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w2s2", "128x128w8s1"),
          "dq": ("64x64w4s1", "64x64w4s2", "32x64w4s1", "32x32w4s1", "32x32w2s2r255", "64x64w4s2r168"),
          "dkr": ("64x64w4s2", "64x64w4s1", "32x64w4s1", "32x32w4s1")},
-    100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1"),
+    100: {"fwd": ("64x64w4s1", "32x64w4s1", "64x64w4s2", "64x128w8s1", "128x128w8s1"),
           "dkdv": ("64x64w4s1", "32x64w4s1", "64x128w8s1", "32x32w2s2"),
           "dq": ("64x64w8s2", "64x64w4s1", "32x64w4s1r255", "32x32w4s1", "64x128w8s1"),
           "dkr": ("64x64w4s1", "32x64w4s1", "32x32w4s1")},

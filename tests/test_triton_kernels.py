@@ -610,6 +610,38 @@ def test_tiles_not_square_match_eager(name, block_m, block_n, deterministic, mon
         torch.use_deterministic_algorithms(False)
 
 
+def _gpu_tile_shapes() -> list:
+    from xlnet_fast.kernels import rel_attention as ra
+
+    return sorted({(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in ra.all_configs()})
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("block_m, block_n", _gpu_tile_shapes())
+@pytest.mark.parametrize("targets", [False, True], ids=["content_rows", "target_rows"])
+def test_every_tile_shape_a_gpu_may_run_matches_eager(targets, block_m, block_n, deterministic, monkeypatch):
+    """The kernels at each tile shape of the GPUs' autotune candidates (128x128: sm_90's and sm_100's
+    two-warpgroup tiles), which the interpreter's own 16x16 tiles do not run: two query tiles (the
+    second part padding), key tiles every row sees whole (memory) and a last one part padding,
+    segments and ranks; content rows (banded tiles) and target rows at drawn positions (the
+    general path)."""
+    from xlnet_fast.kernels import rel_attention as ra
+
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
+    monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_N", block_n)
+    qlen, M, q_pos = 150, 150, None
+    if targets:
+        M = 140
+        q_pos = torch.randint(-1, qlen, (1, M), generator=torch.Generator().manual_seed(block_m + block_n))
+    case = make_case(B=1, M=M, qlen=qlen, H=1, D=16, mlen=140, mask="rank", self_visible=not targets, q_pos=q_pos,
+                     dtype=torch.float32).to(device=DEVICE)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        assert_matches_eager(case, torch.randn(case.q.shape, generator=torch.Generator().manual_seed(M)).to(DEVICE))
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("dtype,half", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize("rows,cols,n", [(16, 32, 16), (32, 128, 64)])
 def test_skew_windows_read_back_what_was_stored(rows, cols, n, dtype, half):
