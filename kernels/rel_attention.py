@@ -1159,7 +1159,7 @@ def _dropout_mask_kernel(KEEP, SEED, keep_threshold, M, N_KEYS, BLOCK_M: tl.cons
 # 128x128 tiles in two warpgroups (sm_90's forward and dK/dV, sm_100's forward) halve the k, v and
 # k_r fills per score; with the skew's window in 16 bits they fit in shared memory (sm_90's
 # two-stage forward: 193 KB at D=64; it does not fit at D=128). The time model ranks them first at
-# 176-936 B of spill: 10% (sm_90 forward), 22% (sm_90 dK/dV), 7-25% (sm_100 forward) below the
+# 176-936 B of spill: 10% (sm_90 forward), 20% (sm_90 dK/dV), 7-25% (sm_100 forward) below the
 # builds it ranked first before; last, so neither the first guess nor deterministic mode's config
 # changes until a GPU has timed them (bench/NOTES.md, "128-row tiles").
 CANDIDATES = {

@@ -621,10 +621,10 @@ def _gpu_tile_shapes() -> list:
 @pytest.mark.parametrize("targets", [False, True], ids=["content_rows", "target_rows"])
 def test_every_tile_shape_a_gpu_may_run_matches_eager(targets, block_m, block_n, deterministic, monkeypatch):
     """The kernels at each tile shape of the GPUs' autotune candidates (128x128: sm_90's and sm_100's
-    two-warpgroup tiles), which the interpreter's own 16x16 tiles do not run: two query tiles (the
-    second part padding), key tiles every row sees whole (memory) and a last one part padding,
-    segments and ranks; content rows (banded tiles) and target rows at drawn positions (the
-    general path)."""
+    two-warpgroup tiles), which the interpreter's own 16x16 tiles do not run: query tiles the last
+    of which is part padding (two at 128 rows), key tiles every row sees whole (memory) and a last
+    one part padding, segments and ranks; content rows (banded tiles) and target rows at drawn
+    positions (the general path)."""
     from xlnet_fast.kernels import rel_attention as ra
 
     monkeypatch.setitem(ra.INTERPRETER_TILES, "BLOCK_M", block_m)
