@@ -686,6 +686,26 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+@functools.cache
+def _canonical_cache_keys() -> None:
+    """Hash every kernel and helper of ours until the hashes stop changing: once per process,
+    before its first compiled launch. Triton (3.6 to 3.9) adds a called helper's global constants
+    to its caller's hash only when that helper was hashed before, so the key of a binary in
+    triton's on-disk cache depended on the order in which a process first launched the kernels
+    (with another order, another process missed the cache and compiled again; so did the
+    campaign's binaries compiled ahead, ``bench.compiler.precompile``). Hashed to a fixpoint, the
+    keys are the same whatever a process launches first (one more helper level settles per pass)."""
+    functions = [f for module in (_k, _operands) for f in vars(module).values()
+                 if isinstance(f, triton.runtime.JITFunction)]
+    hashes = None
+    for _ in range(len(functions) + 1):
+        for f in functions:
+            f.hash = None
+        before, hashes = hashes, [f.cache_key for f in functions]
+        if hashes == before:
+            return
+
+
 def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config=None) -> dict:
     """Launch kernel ``role`` with its arguments of the call's ``plan`` (``_static_args``) and
     ``tensors``; return its tile sizes (BLOCK_M, BLOCK_N). Attention kernels run at the interpreter's
@@ -700,6 +720,8 @@ def _run(role: str, grid, plan: dict, tensors: dict, deterministic: bool, config
     if bound is not None:
         bound(tensors)
         return bound.tiles
+    if not INTERPRETED:
+        _canonical_cache_keys()
     kwargs = {**plan[role], **tensors}
     if role in _PLAIN:
         fn = getattr(_operands, _PLAIN[role])
