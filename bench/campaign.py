@@ -2,7 +2,7 @@
 kernels, the attention sweep, the model's training step and inference forward, memory reuse and generation, the autotuner's
 choices, plots and a summary table last, every failure recorded.
 
-    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env correctness sweep model_step memory plots]
+    python -m bench.campaign --out DIR [--budget-min 20] [--quick] [--steps env compile correctness sweep model_step memory plots]
                              [--sweep-D 64 128]
     python -m bench.campaign --out DIR --cpu-dry-run [--budget-min 3]   # the orchestration on CPU, tiny shapes
     python -m bench.campaign --report RECORDS.jsonl [MORE.jsonl ...] [--out DIR]
@@ -11,6 +11,10 @@ Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``)
 
 - ``env``: device, SM count, versions; the bf16 matmul (TFLOP/s) and device-to-device copy (GB/s)
   ceilings measured on random data;
+- ``compile``: the binaries the sweep's calls of our kernels will make triton's JIT compile (every
+  autotuner candidate at every specialisation), compiled ahead into triton's cache by one worker per
+  core (``bench.compiler.precompile``), where the sweep's autotuner then finds them instead of
+  compiling each in turn; on CPU only counted;
 - ``correctness``: the suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (the kernels
   pinned to ``PYTEST_CONFIGS``, pytest-xdist workers where installed), then ``bench.gpu_check``'s
   comparison with float64 (``gpu_check.CASES`` and ``LONG_CASES``), then one case at each autotuner
@@ -76,9 +80,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RECORDS_FILE, LOG_FILE, SUMMARY_FILE = "campaign.jsonl", "campaign.log", "summary.md"
 ATTENTION_PLOT, MODEL_PLOT = "attention.png", "model_step.png"
 OUTPUT_FILES = (RECORDS_FILE, LOG_FILE, SUMMARY_FILE, ATTENTION_PLOT, MODEL_PLOT)
-STEPS = ("env", "correctness", "sweep", "model_step", "memory", "ncu", "plots")
+STEPS = ("env", "compile", "correctness", "sweep", "model_step", "memory", "ncu", "plots")
 # Shares of the budget; "plots" runs at the end in the time kept back (RESERVE_*).
-WEIGHTS = {"env": 0.04, "correctness": 0.34, "sweep": 0.44, "model_step": 0.18, "memory": 0.12, "ncu": 0.3}
+WEIGHTS = {"env": 0.04, "compile": 0.1, "correctness": 0.34, "sweep": 0.44, "model_step": 0.18, "memory": 0.12, "ncu": 0.3}
 RESERVE_FRACTION, RESERVE_MAX_S = 0.04, 20.0
 MIN_STEP_S = 2.0  # a step whose share is below this is not started (a cut record says so)
 # A step still running this long after its share is killed: max(GRACE_MIN_S, GRACE_FRACTION x share).
@@ -373,6 +377,53 @@ def step_env(r: Reporter, plan: Plan) -> None:
             continue
         for _ in r.each([op], str, op):
             r.attempt(op, fn)
+
+
+def sweep_calls(plan: Plan) -> list:
+    """``[(label, call)]``: the forward and forward+backward of each of our providers at each shape the
+    sweep times, in the sweep's order (``sweep_items``), each building its inputs on meta tensors."""
+    def call(provider, case, mode):
+        return lambda: attention.provider_fn(provider, cases.attention_inputs(case, "meta"), mode)()
+
+    ours = [p for p in plan.providers if p.startswith("xlnet_fast")]
+    calls = []
+    for D in plan.sweep_D:
+        d_cases = [c for c in plan.sweep_cases() if c.D == D]
+        shapes = [(d_cases[0], ours)] + [(c, [p for p in ours if p in ANOMALY_PROVIDERS]) for c in plan.extra_cases(D)]
+        for case, providers in shapes + [(c, ours) for c in d_cases[1:]]:
+            calls += [(f"{p} {m} D={case.D} {case.B}x{case.H} {case.qlen}/{case.mlen}", call(p, case, m))
+                      for m in SWEEP_MODES for p in providers if attention.runs_in_mode(p, m)]
+    return calls
+
+
+def step_compile(r: Reporter, plan: Plan) -> None:
+    """What the sweep's calls will make triton's JIT compile on this GPU, compiled ahead by one worker
+    per core into triton's cache (``bench.compiler.precompile``; the step runs without
+    ``TRITON_INTERPRET``, even in the dry run). Without CUDA the binaries are only counted."""
+    from bench.compiler import precompile
+
+    source_tree.ensure_kernels_importable()
+    if r.device != "cuda":
+        from bench.compiler import aot
+
+        problem = aot.toolchain_problem(90)
+        if problem:
+            r.skipped("precompile", f"{NEEDS_CUDA}; and no sm_90 toolchain to count the binaries with: {problem}")
+            return
+
+        def count():
+            found = precompile.distinct_launches(sweep_calls(plan), 90)
+            return {"status": "skipped", "arch": 90, "binaries": len(found),
+                    "reason": f"{NEEDS_CUDA}: the sweep's binaries for sm_90 counted, not compiled"}
+        r.attempt("precompile", count)
+        return
+    import triton
+
+    # the driver first: every kernel is hashed with it up, as in the sweep's processes
+    arch = triton.runtime.driver.active.get_current_target().arch
+    jobs = len(os.sched_getaffinity(0))
+    r.attempt("precompile", lambda: precompile.compile_ahead(sweep_calls(plan), arch, jobs, r.left() - MIN_ITEM_S,
+                                                             torch.cuda.current_device()))
 
 
 def matmul_ceiling(n: int) -> dict:
@@ -771,7 +822,7 @@ def _run_group(r: Reporter, cmd: list, env: dict, timeout_s: float) -> list:
     return lines
 
 
-STEP_FUNCTIONS = {"env": step_env, "correctness": step_correctness, "sweep": step_sweep,
+STEP_FUNCTIONS = {"env": step_env, "compile": step_compile, "correctness": step_correctness, "sweep": step_sweep,
                   "model_step": step_model_step, "memory": step_memory, "ncu": step_ncu}
 
 
@@ -893,7 +944,7 @@ class Campaign:
         self.log(f"step {step}: {share:.0f} s (killed {grace:.0f} s after that if still running)")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        if self.mode == "dry":
+        if self.mode == "dry" and step != "compile":
             env["TRITON_INTERPRET"] = "1"  # the kernels in Triton's interpreter on CPU
         else:
             env.pop("TRITON_INTERPRET", None)  # the compiled kernels

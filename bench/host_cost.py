@@ -93,30 +93,6 @@ def _host_reads():
             setattr(torch.Tensor, name, method)
 
 
-@contextlib.contextmanager
-def _triton_on(device: str):
-    """The Triton backend for ``device``'s tensors (it picks the eager path off CUDA), and on meta
-    tensors the op's real implementations (its custom ops' Meta kernels are shape functions) with
-    autocast asked about the CPU (autocast knows no meta device)."""
-    from xlnet_fast.attention import args, backends, op
-
-    resolve, autocast_enabled, value_checks = backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks
-    backends.resolve_backend = lambda backend, device: "eager" if backend == "eager" else "triton"
-    args.host_value_checks = lambda device: False  # checks of values as on a GPU: on the device
-    lib = None
-    if device == "meta":
-        torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else autocast_enabled(*a)
-        lib = torch.library.Library("xlnet_fast", "IMPL")
-        for name, impl in op.REAL_IMPLEMENTATIONS.items():
-            lib.impl(name, impl, "Meta", allow_override=True)
-    try:
-        yield
-    finally:
-        backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks = resolve, autocast_enabled, value_checks
-        if lib is not None:
-            lib._destroy()
-
-
 def layer_call(args, device: str):
     """``(forward, forward_backward)`` closures of the calls the model's layers make, each layer its
     own inputs and the masks shared, as ``prepared`` and ``raw`` masks: {mode: (fwd, fwd_bwd)}."""
@@ -227,14 +203,14 @@ def main(argv=None) -> int:
         return runner.refuse("bench.host_cost measures the compiled kernels' launch path: run it without "
                              "TRITON_INTERPRET=1")
     from bench.compiler import aot
-    from bench.compiler.fake_gpu import fake_gpu
+    from bench.compiler.fake_gpu import fake_gpu, triton_backend_on
 
     problem = aot.toolchain_problem(args.arch)
     if problem:
         return runner.refuse(f"bench.host_cost compiles for sm_{args.arch}: {problem}")
     _heap_allocations()
     records = []
-    with fake_gpu(args.arch, keep_args=False) as gpu, _triton_on(args.device):
+    with fake_gpu(args.arch, keep_args=False) as gpu, triton_backend_on(args.device):
         for masks, (forward, forward_backward) in layer_call(args, args.device).items():
             for name, fn, grad in (("fwd", forward, False), ("fwd_bwd", forward_backward, True)):
                 result = measure(fn, grad, args.repeats, gpu, args.layers)

@@ -57,6 +57,9 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     assert_schema(records)
     steps = by(records, op="step")
     assert [(s["step"], s["status"]) for s in steps] == [(s, "ok") for s in campaign.STEPS]
+    # compile: without CUDA the binaries the sweep's calls make on sm_90 are counted, not compiled
+    [ahead] = by(records, op="precompile")
+    assert ahead["status"] == "skipped" and ahead["arch"] == 90 and ahead["binaries"] > 0
     # correctness: the test suite in a subprocess, the float64 check
     [tests] = by(records, op="pytest")
     assert tests["status"] == "ok" and tests["counts"]["passed"] == 1 and tests["returncode"] == 0
@@ -557,3 +560,12 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     assert "tests/test_hf_patch.py::test_convergence_bf16_on_gpu_is_close" in full.pytest_targets
     quick = campaign.PLANS["quick"]
     assert len(quick.sweep_cases()) == 1 and len(quick.models) == 1
+
+
+def test_the_compile_step_makes_the_sweeps_calls_of_our_kernels_in_its_order():
+    """``sweep_calls``: each forward and forward+backward the sweep times of a provider running our
+    kernels, once, in the sweep's order (what it compiles ahead is first needed first)."""
+    full = campaign.PLANS["full"]
+    timed = [f"{p} {m} D={c.D} {c.B}x{c.H} {c.qlen}/{c.mlen}" for kind, c, m, p in campaign.sweep_items(full)
+             if kind == "time" and p.startswith("xlnet_fast")]
+    assert [label for label, _ in campaign.sweep_calls(full)] == list(dict.fromkeys(timed))

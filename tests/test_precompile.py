@@ -1,11 +1,44 @@
-"""Triton's on-disk cache, which the kernels' binaries are looked up in by key: the launcher makes
-the keys independent of what a process launches first.
+"""Triton's on-disk cache, where the kernels' binaries are looked up by key. Compiling ahead
+(``bench.compiler.precompile``, the campaign's ``compile`` step): the binaries it puts there are the
+ones triton's JIT then looks up, so the JIT compiles none of them (checked on a fake GPU,
+``bench.compiler.fake_gpu``: the real JIT, cache and compiler, the driver stubbed, in a process of
+its own, ``tests/helpers/precompile_check.py``; skipped where triton has no NVIDIA backend or
+ptxas). And the launcher makes the keys independent of what a process launches first.
 """
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+HELPER = Path(__file__).resolve().parent / "helpers" / "precompile_check.py"
+# its n_m_used is how many of the dQ launch's query tiles it sums: a count of the config the autotuner
+# picks, which compiling ahead cannot know (it sizes for the smallest tile); 1 here, which triton
+# specialises on. One small binary the JIT compiles itself.
+PICK_DEPENDENT = {"_grad_finish_kernel"}
+
+
+def test_the_jit_finds_every_binary_compiled_ahead(tmp_path):
+    from bench.compiler import aot
+
+    problem = aot.toolchain_problem(90)
+    if problem:
+        pytest.skip(problem)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    run = subprocess.run([sys.executable, str(HELPER), "90"], env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines and run.returncode == 0, f"no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result["failed"] == [] and result["compiled"] == result["binaries"] == result["cache_folders"] > 0
+    launched = result["launched"]  # {cache folder: kernel}
+    assert {"_fwd_kernel", "_bwd_kv_kernel", "_bwd_q_kernel"} <= set(launched.values())
+    missed = {launched[folder] for folder in result["launched_not_compiled_ahead"]}
+    assert missed <= PICK_DEPENDENT, f"the JIT compiled these itself: {missed - PICK_DEPENDENT}"
+    assert set(result["added_by_the_jit"]) <= set(result["launched_not_compiled_ahead"])
 
 
 ORDERS = """

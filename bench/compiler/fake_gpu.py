@@ -115,3 +115,28 @@ def fake_gpu(arch: int = 90, keep_args: bool = True):
         yield gpu
     finally:
         driver._active = saved
+
+
+@contextlib.contextmanager
+def triton_backend_on(device: str):
+    """The op's Triton backend for ``device``'s tensors, which it refuses off CUDA (nothing runs: the
+    launches reach a fake GPU, ``fake_gpu``, or a recorder, ``aot.capture_launches``), and on meta
+    tensors the op's real implementations (its custom ops' Meta kernels are shape functions) with
+    autocast asked about the CPU (autocast knows no meta device)."""
+    from xlnet_fast.attention import args, backends, op
+
+    resolve, autocast_enabled, value_checks = backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks
+    backends.resolve_backend = lambda backend, device: "eager" if backend == "eager" else "triton"
+    args.host_value_checks = lambda device: False  # checks of values as on a GPU: on the device
+    lib = None
+    if device == "meta":
+        torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else autocast_enabled(*a)
+        lib = torch.library.Library("xlnet_fast", "IMPL")
+        for name, impl in op.REAL_IMPLEMENTATIONS.items():
+            lib.impl(name, impl, "Meta", allow_override=True)
+    try:
+        yield
+    finally:
+        backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks = resolve, autocast_enabled, value_checks
+        if lib is not None:
+            lib._destroy()
