@@ -419,8 +419,7 @@ def step_compile(r: Reporter, plan: Plan) -> None:
         return
     import triton
 
-    # the driver first: every kernel is hashed with it up, as in the sweep's processes
-    arch = triton.runtime.driver.active.get_current_target().arch
+    arch = triton.runtime.driver.active.get_current_target().arch  # what the JIT compiles for here
     jobs = len(os.sched_getaffinity(0))
     r.attempt("precompile", lambda: precompile.compile_ahead(sweep_calls(plan), arch, jobs, r.left() - MIN_ITEM_S,
                                                              torch.cuda.current_device()))
