@@ -64,9 +64,10 @@ def _compile(index: int) -> tuple:
 def compile_ahead(calls, arch: int, jobs: int, budget_s: float | None = None,
                   device_index: int | None = None) -> dict:
     """Compile the distinct binaries of ``calls`` for ``arch`` into triton's cache with ``jobs``
-    forked workers, stopping after ``budget_s`` seconds (the binaries done by then stay cached). Returns ``binaries`` (distinct), ``compiled`` (done, from triton's cache or not),
-    ``failed`` (their errors), ``capture_s``, ``compile_s`` and ``worker_s`` (the workers' seconds
-    summed: what the JIT would have spent in turn)."""
+    forked workers, stopping after ``budget_s`` seconds (the binaries done by then stay cached).
+    Returns ``binaries`` (distinct; ``kernels``: how many of each kernel), ``compiled`` (done, from
+    triton's cache or not), ``failed`` (their errors), ``capture_s``, ``compile_s`` and ``worker_s``
+    (the workers' seconds summed: what the JIT would have spent in turn)."""
     global _WORK
     started = time.perf_counter()
     deadline = None if budget_s is None else time.monotonic() + budget_s
@@ -90,6 +91,9 @@ def compile_ahead(calls, arch: int, jobs: int, budget_s: float | None = None,
             pool.terminate()
     finally:
         _WORK = ()
-    return {"arch": arch, "binaries": len(found), "compiled": done, "failed": failed,
+    kernels: dict = {}
+    for launch in found:
+        kernels[launch.name] = kernels.get(launch.name, 0) + 1
+    return {"arch": arch, "binaries": len(found), "kernels": kernels, "compiled": done, "failed": failed,
             "capture_s": round(captured - started, 2), "compile_s": round(time.perf_counter() - captured, 2),
             "worker_s": round(worker_s, 2), "jobs": jobs}
