@@ -8,7 +8,9 @@ reaching a GPU. Only the driver's own work is missing: the C launcher's argument
 (the candidates' best guess). Tensors may be on the CPU or the meta device: the kernels never run.
 
 Used to measure the host cost of a call (``bench.host_cost``) and to test that the launcher's bound
-launches pass triton what its JIT would (``tests/test_launch_cache.py``). Needs the kernels imported
+launches pass triton what its JIT would (``tests/test_launch_cache.py``) and that binaries compiled
+ahead are the JIT's (``tests/test_precompile.py``). ``triton_backend_on`` lets the op take its Triton
+path on CPU or meta tensors, for this and for ``aot.capture_launches``. Needs the kernels imported
 in compiled mode (``TRITON_INTERPRET`` unset) and a triton with its NVIDIA backend.
 """
 
