@@ -689,8 +689,8 @@ def _ensure_scratch_allocator() -> None:
 @functools.cache
 def _canonical_cache_keys() -> None:
     """Hash every kernel and helper of ours until the hashes stop changing: once per process,
-    before its first compiled launch. Triton (3.6 to 3.9) adds a called helper's global constants
-    to its caller's hash only when that helper was hashed before, so the key of a binary in
+    before its first compiled launch. Triton 3.6 (3.9 no longer) adds a called helper's global
+    constants to its caller's hash only when that helper was hashed before, so the key of a binary in
     triton's on-disk cache depended on the order in which a process first launched the kernels
     (with another order, another process missed the cache and compiled again; so did the
     campaign's binaries compiled ahead, ``bench.compiler.precompile``). Hashed to a fixpoint, the

@@ -7,8 +7,8 @@ call of every new specialisation (dtypes, head dim, which integer arguments are 
 minutes. Here the calls run with every launch recorded instead (``launches.capture``: every
 candidate, on meta tensors, ``fake_gpu.triton_backend_on``), each launch is specialised as the JIT
 specialises it (``aot.specialise``, the JIT's own binder), the distinct ones are compiled by
-``triton.compile`` as the JIT calls it (same source, target, options: the same cache key), first
-seen first compiled. The workers touch no GPU (forked after the capture).
+``triton.compile`` as the JIT calls it (same source, target, options and, with the launcher's
+order-free hashes, ``kernels._canonical_cache_keys``, the same cache key), first seen first compiled. The workers touch no GPU (forked after the capture).
 """
 
 from __future__ import annotations

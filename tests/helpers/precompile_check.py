@@ -2,11 +2,11 @@
 
 Run in a process of its own, with the kernels compiled (``TRITON_INTERPRET`` unset) and
 ``TRITON_CACHE_DIR`` an empty folder: ``python tests/helpers/precompile_check.py ARCH`` compiles
-ahead what one forward and backward of the op (raw masks: the table kernels too) will launch, the
-autotuned kernels pinned to one config, then makes that call through triton's real JIT on a fake
-``sm_<ARCH>`` (``bench.compiler.fake_gpu``), and prints one JSON line: what was compiled ahead, the
-binaries the JIT launched (triton's hash of each, its cache folder's name), and the cache folders the
-JIT added (none when each of its compiles found the binary compiled ahead).
+ahead what one forward and backward of the op (raw masks: the table kernels too) will launch, each
+kernel's candidates cut to its first (a short test; both sides see the same list), then makes that
+call through triton's real JIT on a fake ``sm_<ARCH>`` (``bench.compiler.fake_gpu``), and prints one
+JSON line: what was compiled ahead, the binaries the JIT launched ({cache folder: kernel}), and the
+cache folders the JIT added (none when each of its compiles found the binary compiled ahead).
 """
 
 from __future__ import annotations
