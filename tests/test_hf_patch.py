@@ -151,6 +151,30 @@ def test_from_hf_and_to_hf_round_trip():
         assert rel_err(back.eval()(ids, **kw).logits, ref) < 1e-6
 
 
+def test_a_model_on_the_meta_device_converts_patches_and_trains_there():
+    """A transformers model whose weights are not materialised yet (built on the meta device, e.g.
+    for a later ``to_empty`` or a sharded load) converts with ``from_hf`` and patches with
+    ``patch_transformers``; both run a training step's forward and backward there (shapes only: the
+    op on meta tensors, dropout on, transformers' dense masks). Regression: ``from_hf`` copied meta
+    weights into a CPU model, ``patch_transformers`` took transformers' meta parameters for ones it
+    had not shared, and the forward asked torch.autocast about the meta device."""
+    with torch.device("meta"):
+        hf = hf_model("XLNetLMHeadModel", dropout=0.1).to("meta").train()
+    ours = xlnet_fast.from_hf(hf)
+    assert all(p.is_meta for p in ours.parameters())
+    assert {n: p.shape for n, p in ours.state_dict().items()} == \
+        {n: p.shape for n, p in hf.state_dict().items() if n in ours.state_dict()}
+    B, L, P = 2, 8, 3
+    ids = torch.zeros(B, L, dtype=torch.long, device="meta")
+    masks = dict(perm_mask=torch.zeros(B, L, L, device="meta"), target_mapping=torch.zeros(B, P, L, device="meta"),
+                 labels=torch.zeros(B, P, dtype=torch.long, device="meta"))
+    for model in (ours, xlnet_fast.patch_transformers(hf)):
+        out = model(ids, **masks)
+        out.loss.backward()
+        assert out.logits.shape == (B, P, SMALL["vocab_size"]) and out.loss.is_meta
+        assert model.transformer.layer[0].rel_attn.r_w_bias.grad.is_meta
+
+
 def test_convergence_same_loss_curve_fp32():
     """Liger-style: train a tiny LM some steps with and without the patch; same loss curve."""
     def train(model, steps=15):

@@ -15,6 +15,7 @@ accepts (e.g. a ``target_mapping`` over another length than the sequence) runs t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -72,7 +73,10 @@ def _shared_backbone(hf_backbone: nn.Module, backend: str) -> XLNetModel:
             setattr(mine.rel_attn, name, getattr(theirs.rel_attn, name))
         mine.rel_attn.layer_norm = theirs.rel_attn.layer_norm
         mine.rel_attn.dropout = theirs.rel_attn.dropout
-    leftover = [n for n, p in ours.named_parameters() if p.is_meta]
+    # built on meta: a parameter still there is one not taken from transformers (those of a model
+    # on the meta device, e.g. built for a later ``to_empty``, are meta too: told apart by identity)
+    theirs = {id(p) for p in hf_backbone.parameters()}
+    leftover = [n for n, p in ours.named_parameters() if p.is_meta and id(p) not in theirs]
     if leftover:  # pragma: no cover - a transformers version with other modules
         raise RuntimeError(f"could not share these parameters with transformers: {leftover}")
     ours.average_blocked_rows = True  # a row that sees no key: transformers' uniform average
@@ -215,9 +219,12 @@ def from_hf(hf_model: nn.Module, backend: str = "auto") -> XLNetPreTrainedModel:
     name = type(hf_model).__name__
     if name not in MODEL_CLASSES:
         raise TypeError(f"from_hf takes one of {sorted(MODEL_CLASSES)}, got {name}")
-    ours = MODEL_CLASSES[name](_config_from_hf(hf_model.config, backend))
+    weight = next(hf_model.parameters())
+    # a model on the meta device (weights not materialised yet) gives one on the meta device
+    with torch.device("meta") if weight.is_meta else contextlib.nullcontext():
+        ours = MODEL_CLASSES[name](_config_from_hf(hf_model.config, backend))
     ours.load_hf_state_dict(hf_model.state_dict(), source=f"transformers {name}")
-    ours.to(device=next(hf_model.parameters()).device, dtype=next(hf_model.parameters()).dtype)
+    ours.to(device=weight.device, dtype=weight.dtype)
     return ours.train(hf_model.training)
 
 

@@ -196,13 +196,15 @@ def one_hot_targets(target_mapping: Tensor, blocked_rows: Tensor | None = None) 
     (or empty rows, -1) with no position targeted twice, else None; with ``blocked_rows (B, L)``
     (positions whose query-stream row sees no key), whether a targeted position is one of them, else
     None. Decided on the device and read together: the one host read of the forward that gets
-    transformers' dense ``target_mapping`` (the answers pick the launches)."""
+    transformers' dense ``target_mapping`` (the answers pick the launches; none on meta tensors)."""
     tm = target_mapping
     rows, cols = tm.sum(-1), tm.sum(-2)
     checks = [((tm == 0) | (tm == 1)).all() & (rows <= 1).all() & (cols <= 1).all()]
     if blocked_rows is not None:
         checks.append((blocked_rows & (cols > 0)).any())
-    answers = torch.stack(checks).tolist()
+    # on the meta device there are no values to read: taken as one-hot with no blocked target (the
+    # shapes are the same either way; the launches are those of a pretraining batch)
+    answers = [True, False] if tm.is_meta else torch.stack(checks).tolist()
     if not answers[0]:
         return None, None
     pos = tm.argmax(-1)

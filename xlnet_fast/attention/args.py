@@ -106,6 +106,18 @@ def check_index_tensor(name: str, t, shape: tuple, device, dtypes=INDEX_DTYPES) 
     check_tensor(name, t, len(shape), shape, dtypes, device)
 
 
+# devices torch.autocast knows nothing of (asking it about them raises): never under autocast
+NO_AUTOCAST_DEVICES = ("meta",)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` takes matrix products in on ``device_type`` now, or None where it
+    is off (or knows no such device: a model on the meta device runs as without autocast)."""
+    if device_type in NO_AUTOCAST_DEVICES or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def host_value_checks(device: torch.device) -> bool:
     """Whether checks of tensor values on ``device`` read the values on the host (``check_values``)."""
     if torch.compiler.is_compiling():

@@ -10,6 +10,7 @@ import torch
 
 from ..kernel_contract import contract
 from . import eager
+from .args import autocast_dtype
 
 BACKENDS = ("auto", "eager", "triton")
 
@@ -90,7 +91,7 @@ def run_backend(backend: str, name: str, *args):
     implementation = getattr(_implementation(backend), name)
     try:
         device_type = args[0].device.type
-        if not torch.is_autocast_enabled(device_type):  # entering a disabled autocast costs host time
+        if autocast_dtype(device_type) is None:  # entering a disabled autocast costs host time
             return implementation(*args)
         with torch.autocast(device_type, enabled=False):
             return implementation(*args)

@@ -119,6 +119,8 @@ def _scores(q, k, k_r, r_w_bias, r_r_bias, a: AttnArgs):
 
 
 def _dropout_keep(shape, a: AttnArgs, device) -> Tensor:
+    if device.type == "meta":  # shapes only: no generator, no seed to read
+        return torch.empty(shape, dtype=torch.bool, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed(int(a.seed.item()))
     return torch.rand(shape, generator=gen, device=device) >= a.dropout_p

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import eager
-from .args import DENSE_ARGS, AttnArgs, PreparedMasks, check_tensor, schema_fields, validate
+from .args import DENSE_ARGS, AttnArgs, PreparedMasks, autocast_dtype, check_tensor, schema_fields, validate
 from .backends import backend_for_call, run_backend
 from .prepared import prepare_two_stream_masks
 
@@ -195,9 +195,9 @@ def _autocast(*tensors):
     are not cast (a model's bias parameters stay float32 under autocast): the op takes them in q's
     dtype itself, and their gradients come back in their own dtype."""
     lead = tensors[0]
-    if not isinstance(lead, Tensor) or not torch.is_autocast_enabled(lead.device.type):
+    dtype = autocast_dtype(lead.device.type) if isinstance(lead, Tensor) else None
+    if dtype is None:
         return tensors, False
-    dtype = torch.get_autocast_dtype(lead.device.type)
     return tuple(t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() else t for t in tensors), True
 
 

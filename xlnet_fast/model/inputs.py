@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention.args import check_tensor, check_values
+from ..attention.args import autocast_dtype, check_tensor, check_values
 from ..config import XLNetConfig
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _check_inputs_embeds(config: XLNetConfig, weights: Tensor, inputs_embeds) ->
                          f"{tuple(inputs_embeds.shape)}")
     if not inputs_embeds.is_floating_point():
         raise TypeError(f"inputs_embeds must be floating point, got {inputs_embeds.dtype}")
-    if inputs_embeds.dtype != weights.dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+    if inputs_embeds.dtype != weights.dtype and autocast_dtype(inputs_embeds.device.type) is None:
         raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model's weights are "
                         f"{weights.dtype}: cast it (inputs_embeds.to(model.dtype)) or run under torch.autocast")
 

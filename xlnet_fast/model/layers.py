@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from ..attention import attention_probabilities, rel_attention, rel_attention_two_stream
 from ..config import XLNetConfig
 from ..attention import PreparedMasks
+from ..attention.args import autocast_dtype
 from ..masks import AttentionInputs
 
 _ACTIVATIONS = {
@@ -39,9 +40,9 @@ def activation(name):
 def product_dtype(weight: Tensor) -> torch.dtype:
     """The dtype a matrix product takes ``weight`` in: under ``torch.autocast`` on its device the
     autocast dtype (autocast casts floating tensors but float64), else its own."""
-    device_type = weight.device.type
-    if torch.is_autocast_enabled(device_type) and weight.is_floating_point() and weight.dtype != torch.float64:
-        return torch.get_autocast_dtype(device_type)
+    dtype = autocast_dtype(weight.device.type)
+    if dtype is not None and weight.is_floating_point() and weight.dtype != torch.float64:
+        return dtype
     return weight.dtype
 
 
