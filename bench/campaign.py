@@ -11,10 +11,11 @@ Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``)
 
 - ``env``: device, SM count, versions; the bf16 matmul (TFLOP/s) and device-to-device copy (GB/s)
   ceilings measured on random data;
-- ``compile``: the binaries the sweep's calls of our kernels will make triton's JIT compile (every
-  autotuner candidate at every specialisation), compiled ahead into triton's cache by one worker per
-  core (``bench.compiler.precompile``), where the sweep's autotuner then finds them instead of
-  compiling each in turn; on CPU only counted;
+- ``compile``: the binaries the calls of our kernels in the sweep and the model step (those of the
+  steps run) will make triton's JIT compile (every autotuner candidate at every specialisation; the
+  model step's recorded on meta tensors under a stand-in for CUDA's autocast), compiled ahead into
+  triton's cache by one worker per core (``bench.compiler.precompile``), where the autotuner then
+  finds them instead of compiling each in turn; on CPU only counted;
 - ``correctness``: the suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (the kernels
   pinned to ``PYTEST_CONFIGS``, pytest-xdist workers where installed), then ``bench.gpu_check``'s
   comparison with float64 (``gpu_check.CASES`` and ``LONG_CASES``), then one case at each autotuner
@@ -53,6 +54,7 @@ DIR`` writes ``summary.md`` and the plots there.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -157,6 +159,7 @@ class Plan:
     """The shapes and selections of one mode; the defaults are the full GPU campaign's."""
 
     mode: str = "full"
+    steps: tuple = STEPS  # the campaign's: the compile step compiles for the sweep and the model step among them
     matmul_n: int = 8192  # the bf16 matmul ceiling: an n x n x n product
     copy_mib: int = 2048  # the device-to-device copy ceiling: this many MiB copied
     pytest_targets: tuple = GPU_TESTS
@@ -396,13 +399,51 @@ def sweep_calls(plan: Plan) -> list:
     return calls
 
 
+def model_step_calls(plan: Plan, device: str = "meta") -> list:
+    """``[(label, call)]``: a training step and an inference forward of each model the model step
+    times, with each provider of ours (the graphed and compiled native steps launch the native one's
+    binaries), under bf16 autocast: on meta tensors as on a GPU (``fake_gpu.autocast_on_meta``), or
+    on ``device``'s with its own autocast (``tests/test_precompile.py`` compares the two on the CPU)."""
+    from bench.compiler.fake_gpu import autocast_on_meta
+
+    providers = list(dict.fromkeys(p.split("-")[0] for p in plan.model_providers if p != "hf"))
+    built: dict = {}
+
+    def call(label, case, provider, mode):
+        def run():
+            if built.get("label") != label:  # the model and batches once per size, in the calls' order
+                built.clear()
+                built.update(label=label, source=model_step.source_model(case, device),
+                             train=cases.pretraining_batch(case, device),
+                             infer=model_step.infer_batch(case, plan.infer_B, device))
+            model = model_step.provider_model(provider, built["source"], device)
+            step = model_step.train_step if mode == "train" else model_step.infer_step
+            with autocast_on_meta(torch.bfloat16) if device == "meta" else contextlib.nullcontext():
+                step(provider, model, built[mode], device, autocast=True)()
+        return run
+
+    return [(f"model_step {label} {provider} {mode}", call(label, case, provider, mode))
+            for label, case in plan.models for provider in providers for mode in model_step.MODES]
+
+
+def compile_calls(plan: Plan) -> list:
+    """The calls whose binaries the compile step compiles ahead: the sweep's, then the model step's,
+    where they are among the campaign's steps."""
+    return ((sweep_calls(plan) if "sweep" in plan.steps else [])
+            + (model_step_calls(plan) if "model_step" in plan.steps else []))
+
+
 def step_compile(r: Reporter, plan: Plan) -> None:
-    """What the sweep's calls will make triton's JIT compile on this GPU, compiled ahead by one worker
-    per core into triton's cache (``bench.compiler.precompile``; the step runs without
-    ``TRITON_INTERPRET``, even in the dry run). Without CUDA the binaries are only counted."""
+    """What the sweep's and the model step's calls will make triton's JIT compile on this GPU (those of
+    the campaign's steps), compiled ahead by one worker per core into triton's cache
+    (``bench.compiler.precompile``; the step runs without ``TRITON_INTERPRET``, even in the dry run).
+    Without CUDA the binaries are only counted."""
     from bench.compiler import precompile
 
     source_tree.ensure_kernels_importable()
+    if not {"sweep", "model_step"} & set(plan.steps):
+        r.skipped("precompile", "neither the sweep nor the model step is among the campaign's steps: nothing to compile")
+        return
     if r.device != "cuda":
         from bench.compiler import aot
 
@@ -412,16 +453,16 @@ def step_compile(r: Reporter, plan: Plan) -> None:
             return
 
         def count():
-            found = precompile.distinct_launches(sweep_calls(plan), 90)
+            found = precompile.distinct_launches(compile_calls(plan), 90)
             return {"status": "skipped", "arch": 90, "binaries": len(found),
-                    "reason": f"{NEEDS_CUDA}: the sweep's binaries for sm_90 counted, not compiled"}
+                    "reason": f"{NEEDS_CUDA}: the binaries for sm_90 counted, not compiled"}
         r.attempt("precompile", count)
         return
     import triton
 
     arch = triton.runtime.driver.active.get_current_target().arch  # what the JIT compiles for here
     jobs = len(os.sched_getaffinity(0))
-    r.attempt("precompile", lambda: precompile.compile_ahead(sweep_calls(plan), arch, jobs, r.left() - MIN_ITEM_S,
+    r.attempt("precompile", lambda: precompile.compile_ahead(compile_calls(plan), arch, jobs, r.left() - MIN_ITEM_S,
                                                              torch.cuda.current_device()))
 
 
@@ -831,6 +872,7 @@ def child_main(args) -> int:
     device = "cuda" if mode != "dry" and torch.cuda.is_available() else "cpu"
     r = Reporter(args.deadline, device, {**runner.environment(), **({"device": "cpu"} if device == "cpu" else {})})
     plan = PLANS[mode]
+    plan = dataclasses.replace(plan, steps=tuple(args.steps))
     if args.sweep_D:
         plan = dataclasses.replace(plan, sweep_D=tuple(args.sweep_D))
     try:
@@ -1104,8 +1146,8 @@ def main(argv=None) -> int:
     mode = _mode(args)
     child_args = {"dry": ["--cpu-dry-run"], "quick": ["--quick"], "full": []}[mode]
     child_args += ["--sweep-D", *map(str, args.sweep_D)] if args.sweep_D else []
-    campaign = Campaign(args.out.resolve(), args.budget_min * 60, mode, [s for s in STEPS if s in args.steps],
-                        child_args)
+    steps = [s for s in STEPS if s in args.steps]
+    campaign = Campaign(args.out.resolve(), args.budget_min * 60, mode, steps, child_args + ["--steps", *steps])
     before = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return campaign.run()

@@ -49,14 +49,16 @@ MODES = ("train", "infer")
 WARMUP_STEPS = 3  # compiles (torch.compile, triton), autotunes and binds the launches
 
 
-def source_model(case: cases.ModelCase):
+def source_model(case: cases.ModelCase, device: str = "cpu"):
     """transformers' ``XLNetLMHeadModel`` for ``case`` on the CPU (seed 0, dropout 0.1): every
-    provider's weights."""
+    provider's weights; on ``"meta"``, the same model without weights (``bench.campaign``'s compile step)."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.XLNetConfig(**case.config(dropout=0.1, reuse_len=case.seq // 2))
-    return transformers.XLNetLMHeadModel(config).train()
+    with torch.device(device):
+        model = transformers.XLNetLMHeadModel(config)
+    return model.to(device).train()  # transformers makes some of XLNet's weights on the CPU regardless
 
 
 def provider_model(provider: str, source, device: str):
@@ -97,11 +99,18 @@ def _graphed(work, warmup: int = WARMUP_STEPS):
     return step
 
 
-def train_step(provider: str, model, batch: dict, device: str):
+def _autocast(device: str, autocast: bool | None, graphed: bool):
+    """bf16 autocast, by default on any device but the CPU (whose steps are smoke tests in fp32)."""
+    # autocast's weight cache must be off under capture (its casts would not be replayed)
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=device != "cpu" if autocast is None else autocast,
+                          cache_enabled=not graphed)
+
+
+def train_step(provider: str, model, batch: dict, device: str, autocast: bool | None = None):
     """One forward + backward + AdamW step of ``model`` (``native``: compact ranks and target
-    positions; the others transformers' dense ``perm_mask`` and ``target_mapping``); ``-graphed``:
-    the whole step in one CUDA graph (AdamW ``capturable``; the gradients the graph's own, written
-    by each replay's backward)."""
+    positions; the others transformers' dense ``perm_mask`` and ``target_mapping``) under bf16
+    ``autocast`` (default: off the CPU); ``-graphed``: the whole step in one CUDA graph (AdamW
+    ``capturable``; the gradients the graph's own, written by each replay's backward)."""
     graphed = provider.endswith("-graphed")
     if graphed and device != "cuda":
         raise ValueError(f"provider {provider!r} captures CUDA graphs: it needs a CUDA device")
@@ -113,8 +122,7 @@ def train_step(provider: str, model, batch: dict, device: str):
         masks = dict(perm_mask=batch["perm_mask"], target_mapping=batch["target_mapping"])
 
     def work(capturing: bool = False):
-        # autocast's weight cache must be off under capture (its casts would not be replayed)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda", cache_enabled=not graphed):
+        with _autocast(device, autocast, graphed):
             out = run(batch["ids"], mems=batch["mems"], labels=batch["labels"], use_mems=True, **masks)
         out.loss.backward()
         opt.step()
@@ -133,17 +141,16 @@ def infer_batch(case: cases.ModelCase, B: int, device: str) -> dict:
     return {"ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def infer_step(provider: str, model, batch: dict, device: str):
-    """The backbone's forward (``XLNetModel``, in eval mode) without grad (``-graphed``: in one CUDA
-    graph)."""
+def infer_step(provider: str, model, batch: dict, device: str, autocast: bool | None = None):
+    """The backbone's forward (``XLNetModel``, in eval mode) without grad under bf16 ``autocast``
+    (default: off the CPU; ``-graphed``: in one CUDA graph)."""
     graphed = provider.endswith("-graphed")
     if graphed and device != "cuda":
         raise ValueError(f"provider {provider!r} captures CUDA graphs: it needs a CUDA device")
     run = _compiled(provider, model.transformer.eval(), device)
 
     def work(capturing: bool = False):
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda",
-                                             cache_enabled=not graphed):
+        with torch.no_grad(), _autocast(device, autocast, graphed):
             run(batch["ids"], attention_mask=batch["attention_mask"], use_mems=False)
     return _graphed(work) if graphed else work
 

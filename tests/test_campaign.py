@@ -5,6 +5,7 @@ process group it started), the time-box, the refusals; and the pieces that only 
 with what a GPU gives (pytest's output, autotuner caches, GPU-like records for the summary and the
 README tables)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -560,6 +561,24 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     assert "tests/test_hf_patch.py::test_convergence_bf16_on_gpu_is_close" in full.pytest_targets
     quick = campaign.PLANS["quick"]
     assert len(quick.sweep_cases()) == 1 and len(quick.models) == 1
+
+
+def test_the_compile_step_compiles_for_the_sweep_and_the_model_step_among_the_campaigns_steps():
+    """``compile_calls``: the sweep's calls, then the model step's (each size's training step and
+    inference forward with the patched and the native model: the graphed and compiled native steps
+    launch the native one's kernels, transformers' none), as far as those steps are in the campaign."""
+    full = campaign.PLANS["full"]
+    sweep = [label for label, _ in campaign.sweep_calls(full)]
+    model = [label for label, _ in campaign.model_step_calls(full)]
+    assert model == [f"model_step {size} {provider} {mode}" for size in ("base", "large")
+                     for provider in ("patched", "native") for mode in ("train", "infer")]
+
+    def labels(*steps):
+        return [label for label, _ in campaign.compile_calls(dataclasses.replace(full, steps=steps))]
+
+    assert labels(*campaign.STEPS) == sweep + model
+    assert labels("env", "compile", "model_step", "plots") == model  # the runbook's call B
+    assert labels("env", "compile", "correctness") == []
 
 
 def test_the_compile_step_makes_the_sweeps_calls_of_our_kernels_in_its_order():

@@ -84,3 +84,47 @@ def test_the_kernels_cache_keys_do_not_depend_on_what_a_process_launches_first()
     assert lines and run.returncode == 0, f"no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(lines[-1])
     assert result["functions"] > 20 and not result["raw_orders_agree"] and result["canonical_orders_agree"], result
+
+
+AUTOCAST = """
+import contextlib, dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+from bench.source_tree import ensure_kernels_importable
+ensure_kernels_importable()
+from bench import campaign, cases, model_step
+from bench.compiler import aot, fake_gpu, precompile
+
+plan = dataclasses.replace(campaign.PLANS["dry"], steps=("model_step",), infer_B=2, model_providers=("hf", "patched", "native"),
+                           models=(("tiny", cases.ModelCase("tiny", B=2, seq=32, mlen=16, predict=8, vocab=100, n_layer=1)),))
+
+
+def keys(device):
+    found = precompile.distinct_launches(campaign.model_step_calls(plan, device), 90, device=device)
+    return sorted(repr(aot.compile_key(launch, 90)) for launch in found)
+
+
+on_meta, on_cpu = keys("meta"), keys("cpu")
+# the same steps on meta without autocast (what a compile step that did not reproduce it would record)
+fake_gpu.autocast_on_meta = lambda dtype=None: contextlib.nullcontext()
+model_step._autocast = lambda device, autocast, graphed: contextlib.nullcontext()
+print(json.dumps({"binaries": len(on_meta), "meta_is_cpu": on_meta == on_cpu, "plain_meta_is_cpu": keys("meta") == on_cpu}))
+"""
+
+
+def test_a_model_step_on_meta_tensors_makes_the_launches_it_makes_under_autocast():
+    """The compile step records the model step's launches on meta tensors, where torch.autocast does
+    not exist (``fake_gpu.autocast_on_meta`` stands in for CUDA's): a training step and an inference
+    forward of the patched and the native model (tiny, one layer) make the same binaries on meta
+    tensors as on CPU tensors under the CPU's own bf16 autocast, and other ones without autocast."""
+    from bench.compiler import aot
+
+    problem = aot.toolchain_problem(90)
+    if problem:
+        pytest.skip(problem)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    run = subprocess.run([sys.executable, "-c", AUTOCAST, root], env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines and run.returncode == 0, f"no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    result = json.loads(lines[-1])
+    assert result["binaries"] > 10 and result["meta_is_cpu"] and not result["plain_meta_is_cpu"], result

@@ -10,8 +10,10 @@ reaching a GPU. Only the driver's own work is missing: the C launcher's argument
 Used to measure the host cost of a call (``bench.host_cost``) and to test that the launcher's bound
 launches pass triton what its JIT would (``tests/test_launch_cache.py``) and that binaries compiled
 ahead are the JIT's (``tests/test_precompile.py``). ``triton_backend_on`` lets the op take its Triton
-path on CPU or meta tensors, for this and for ``aot.capture_launches``. Needs the kernels imported
-in compiled mode (``TRITON_INTERPRET`` unset) and a triton with its NVIDIA backend.
+path on CPU or meta tensors, for this and for ``aot.capture_launches``; ``autocast_on_meta`` gives a
+model step on meta tensors the dtypes CUDA's autocast would (the campaign's ``compile`` step). Needs
+the kernels imported in compiled mode (``TRITON_INTERPRET`` unset) and a triton with its NVIDIA
+backend.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -123,22 +126,89 @@ def fake_gpu(arch: int = 90, keep_args: bool = True):
 def triton_backend_on(device: str):
     """The op's Triton backend for ``device``'s tensors, which it refuses off CUDA (nothing runs: the
     launches reach a fake GPU, ``fake_gpu``, or a recorder, ``aot.capture_launches``), and on meta
-    tensors the op's real implementations (its custom ops' Meta kernels are shape functions) with
-    autocast asked about the CPU (autocast knows no meta device)."""
+    tensors the op's real implementations (its custom ops' Meta kernels are shape functions)."""
     from xlnet_fast.attention import args, backends, op
 
-    resolve, autocast_enabled, value_checks = backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks
+    resolve, value_checks = backends.resolve_backend, args.host_value_checks
     backends.resolve_backend = lambda backend, device: "eager" if backend == "eager" else "triton"
     args.host_value_checks = lambda device: False  # checks of values as on a GPU: on the device
     lib = None
     if device == "meta":
-        torch.is_autocast_enabled = lambda *a: False if a and a[0] == "meta" else autocast_enabled(*a)
         lib = torch.library.Library("xlnet_fast", "IMPL")
         for name, impl in op.REAL_IMPLEMENTATIONS.items():
             lib.impl(name, impl, "Meta", allow_override=True)
     try:
         yield
     finally:
-        backends.resolve_backend, torch.is_autocast_enabled, args.host_value_checks = resolve, autocast_enabled, value_checks
+        backends.resolve_backend, args.host_value_checks = resolve, value_checks
         if lib is not None:
             lib._destroy()
+
+
+# What CUDA's torch.autocast does to the functions a model step calls: matrix products in the
+# autocast dtype, normalisation, softmax and losses in float32 (torch's autocast op lists)
+_AUTOCAST_PRODUCTS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.einsum,
+                                torch.nn.functional.linear, torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm,
+                                torch.addmm, torch.baddbmm})
+_AUTOCAST_FLOAT32 = frozenset({torch.nn.functional.layer_norm, torch.nn.functional.softmax, torch.softmax,
+                               torch.Tensor.softmax, torch.nn.functional.log_softmax, torch.log_softmax,
+                               torch.Tensor.log_softmax, torch.nn.functional.cross_entropy})
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """Casts the arguments of the functions above as CUDA's autocast casts them (floating tensors but
+    float64), while the innermost ``torch.autocast("meta", ...)`` is enabled."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.enabled = dtype, [True]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        to = None if not self.enabled[-1] else \
+            self.dtype if func in _AUTOCAST_PRODUCTS else torch.float32 if func in _AUTOCAST_FLOAT32 else None
+        if to is not None:
+            def cast(x):
+                if isinstance(x, (list, tuple)):
+                    return type(x)(cast(y) for y in x)
+                return x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 \
+                    else x
+            args, kwargs = cast(args), {k: cast(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def nested(self, enabled: bool):
+        self.enabled.append(enabled)
+        try:
+            yield
+        finally:
+            self.enabled.pop()
+
+
+@contextlib.contextmanager
+def autocast_on_meta(dtype: torch.dtype = torch.bfloat16):
+    """Within the block ``torch.autocast("meta", dtype=..., enabled=...)`` (which torch refuses: autocast
+    knows no meta device) acts on meta tensors as CUDA's autocast acts on CUDA ones, as far as a model
+    step's dtypes go: the functions above cast, ``torch.is_autocast_enabled("meta")`` and the package's
+    ``autocast_dtype("meta")`` answer. So a model step on meta tensors passes the op the dtypes it gets
+    under autocast on a GPU (``tests/test_precompile.py`` checks this against the CPU's autocast)."""
+    from xlnet_fast.attention import args
+
+    mode = _MetaAutocast(dtype)
+    autocast, enabled, autocast_dtype_of, no_autocast = (torch.autocast, torch.is_autocast_enabled,
+                                                         torch.get_autocast_dtype, args.NO_AUTOCAST_DEVICES)
+
+    def meta_or(real, on_meta):
+        return lambda *a, **k: on_meta(*a[1:], **k) if a and a[0] == "meta" else real(*a, **k)
+
+    torch.autocast = meta_or(autocast, lambda dtype=None, enabled=True, cache_enabled=None: mode.nested(enabled))
+    torch.is_autocast_enabled = meta_or(enabled, lambda: mode.enabled[-1])
+    torch.get_autocast_dtype = meta_or(autocast_dtype_of, lambda: dtype)
+    args.NO_AUTOCAST_DEVICES = tuple(d for d in no_autocast if d != "meta")
+    mode.enabled[-1] = False  # until a torch.autocast("meta") turns it on
+    try:
+        with mode:
+            yield
+    finally:
+        torch.autocast, torch.is_autocast_enabled, torch.get_autocast_dtype = autocast, enabled, autocast_dtype_of
+        args.NO_AUTOCAST_DEVICES = no_autocast

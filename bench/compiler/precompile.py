@@ -23,17 +23,17 @@ from bench.compiler import aot, launches
 from bench.compiler.fake_gpu import triton_backend_on
 
 
-def distinct_launches(calls, arch: int, device_index: int | None = None) -> list:
-    """The launches ``calls`` (``[(label, call)]``, each building its inputs inside: a prepared mask
-    launches kernels too) make on a GPU of ``arch``, one per binary, in first-launch order.
-    ``device_index``: the GPU whose memory sets how much dS the backward keeps
+def distinct_launches(calls, arch: int, device_index: int | None = None, device: str = "meta") -> list:
+    """The launches ``calls`` (``[(label, call)]``, each building its inputs inside, on ``device``: a
+    prepared mask launches kernels too) make on a GPU of ``arch``, one per binary, in first-launch
+    order. ``device_index``: the GPU whose memory sets how much dS the backward keeps
     (``kernels._stored_ds_limit``), so that the recorded backward takes the path the GPU's will."""
     from xlnet_fast import kernels
 
     stored_ds_limit = kernels._stored_ds_limit
     kernels._stored_ds_limit = lambda _index: stored_ds_limit(device_index)
     try:
-        with triton_backend_on("meta"):
+        with triton_backend_on(device):
             found = launches.capture(calls, arch)
     finally:
         kernels._stored_ds_limit = stored_ds_limit
