@@ -871,8 +871,7 @@ def child_main(args) -> int:
     mode = _mode(args)
     device = "cuda" if mode != "dry" and torch.cuda.is_available() else "cpu"
     r = Reporter(args.deadline, device, {**runner.environment(), **({"device": "cpu"} if device == "cpu" else {})})
-    plan = PLANS[mode]
-    plan = dataclasses.replace(plan, steps=tuple(args.steps))
+    plan = dataclasses.replace(PLANS[mode], steps=tuple(args.steps))
     if args.sweep_D:
         plan = dataclasses.replace(plan, sweep_D=tuple(args.sweep_D))
     try:

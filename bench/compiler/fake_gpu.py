@@ -157,11 +157,11 @@ _AUTOCAST_FLOAT32 = frozenset({torch.nn.functional.layer_norm, torch.nn.function
 
 class _MetaAutocast(TorchFunctionMode):
     """Casts the arguments of the functions above as CUDA's autocast casts them (floating tensors but
-    float64), while the innermost ``torch.autocast("meta", ...)`` is enabled."""
+    float64), while the innermost ``torch.autocast("meta", ...)`` is enabled (none is at first)."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__()
-        self.dtype, self.enabled = dtype, [True]
+        self.dtype, self.enabled = dtype, [False]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -205,7 +205,6 @@ def autocast_on_meta(dtype: torch.dtype = torch.bfloat16):
     torch.is_autocast_enabled = meta_or(enabled, lambda: mode.enabled[-1])
     torch.get_autocast_dtype = meta_or(autocast_dtype_of, lambda: dtype)
     args.NO_AUTOCAST_DEVICES = tuple(d for d in no_autocast if d != "meta")
-    mode.enabled[-1] = False  # until a torch.autocast("meta") turns it on
     try:
         with mode:
             yield
