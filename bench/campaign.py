@@ -11,11 +11,12 @@ Steps (each runs benchmark modules; what they measure in each mode is ``PLANS``)
 
 - ``env``: device, SM count, versions; the bf16 matmul (TFLOP/s) and device-to-device copy (GB/s)
   ceilings measured on random data;
-- ``compile``: the binaries the calls of our kernels in the sweep and the model step (those of the
-  steps run) will make triton's JIT compile (every autotuner candidate at every specialisation; the
-  model step's recorded on meta tensors under a stand-in for CUDA's autocast), compiled ahead into
-  triton's cache by one worker per core (``bench.compiler.precompile``), where the autotuner then
-  finds them instead of compiling each in turn; on CPU only counted;
+- ``compile``: the binaries the calls of our kernels in the correctness step's checks (not its test
+  suite's), the sweep and the model step (those of the steps run) will make triton's JIT compile
+  (every autotuner candidate at every specialisation; the model step's recorded on meta tensors
+  under a stand-in for CUDA's autocast), compiled ahead into triton's cache by one worker per core
+  (``bench.compiler.precompile``), where the autotuner then finds them instead of compiling each in
+  turn; on CPU only counted;
 - ``correctness``: the suite's GPU tests in a subprocess without ``TRITON_INTERPRET`` (the kernels
   pinned to ``PYTEST_CONFIGS``, pytest-xdist workers where installed), then ``bench.gpu_check``'s
   comparison with float64 (``gpu_check.CASES`` and ``LONG_CASES``), then one case at each autotuner
@@ -159,7 +160,7 @@ class Plan:
     """The shapes and selections of one mode; the defaults are the full GPU campaign's."""
 
     mode: str = "full"
-    steps: tuple = STEPS  # the campaign's: the compile step compiles for the sweep and the model step among them
+    steps: tuple = STEPS  # the campaign's (the compile step compiles for those of them in COMPILED_AHEAD)
     matmul_n: int = 8192  # the bf16 matmul ceiling: an n x n x n product
     copy_mib: int = 2048  # the device-to-device copy ceiling: this many MiB copied
     pytest_targets: tuple = GPU_TESTS
@@ -384,6 +385,24 @@ def step_env(r: Reporter, plan: Plan) -> None:
             r.attempt(op, fn)
 
 
+def correctness_calls(plan: Plan) -> list:
+    """``[(label, call)]``: the correctness step's runs of our kernels after its test suite (whose
+    shapes are the tests' own): each float64 check's forward and backward at each checked dtype (the
+    eager references launch none), then its case at each pinned config, in order, on meta tensors."""
+    def call(case, dtype, deterministic, config=None):
+        def run():
+            with pinned_configs.pinned([config]) if config else contextlib.nullcontext(), \
+                    runner.deterministic_algorithms(deterministic):
+                gpu_check.run(cases.attention_inputs(case, "meta"), dtype, "triton")
+        return run
+
+    calls = [(f"check {name} {str(dtype).split('.')[-1]}{' deterministic' * det}", call(case, dtype, det))
+             for name, case, dtypes, det in plan.checks for dtype in dtypes]
+    name, case = plan.config_check
+    return calls + [(f"check {name} bfloat16 at {config}", call(case, torch.bfloat16, False, config))
+                    for config in pinned_configs.all_config_names()]
+
+
 def sweep_calls(plan: Plan) -> list:
     """``[(label, call)]``: the forward and forward+backward of each of our providers at each shape the
     sweep times, in the sweep's order (``sweep_items``), each building its inputs on meta tensors."""
@@ -428,23 +447,26 @@ def model_step_calls(plan: Plan, device: str = "meta") -> list:
             for label, case in plan.models for provider in providers for mode in model_step.MODES]
 
 
+# the steps whose calls of our kernels the compile step makes ahead, in the campaign's order
+COMPILED_AHEAD = {"correctness": correctness_calls, "sweep": sweep_calls, "model_step": model_step_calls}
+
+
 def compile_calls(plan: Plan) -> list:
-    """The calls whose binaries the compile step compiles ahead: the sweep's, then the model step's,
-    where they are among the campaign's steps."""
-    return ((sweep_calls(plan) if "sweep" in plan.steps else [])
-            + (model_step_calls(plan) if "model_step" in plan.steps else []))
+    """The calls whose binaries the compile step compiles ahead: the correctness step's checks, the
+    sweep's, then the model step's, for those among the campaign's steps (first needed first)."""
+    return [call for step, calls in COMPILED_AHEAD.items() if step in plan.steps for call in calls(plan)]
 
 
 def step_compile(r: Reporter, plan: Plan) -> None:
-    """What the sweep's and the model step's calls will make triton's JIT compile on this GPU (those of
-    the campaign's steps), compiled ahead by one worker per core into triton's cache
+    """What the correctness step's checks, the sweep's and the model step's calls will make triton's JIT
+    compile on this GPU (those of the campaign's steps), compiled ahead by one worker per core into triton's cache
     (``bench.compiler.precompile``; the step runs without ``TRITON_INTERPRET``, even in the dry run).
     Without CUDA the binaries are only counted."""
     from bench.compiler import precompile
 
     source_tree.ensure_kernels_importable()
-    if not {"sweep", "model_step"} & set(plan.steps):
-        r.skipped("precompile", "neither the sweep nor the model step is among the campaign's steps: nothing to compile")
+    if not set(COMPILED_AHEAD) & set(plan.steps):
+        r.skipped("precompile", f"none of {', '.join(COMPILED_AHEAD)} is among the campaign's steps: nothing to compile")
         return
     if r.device != "cuda":
         from bench.compiler import aot

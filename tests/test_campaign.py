@@ -563,22 +563,29 @@ def test_the_gpu_plans_measure_what_the_campaign_is_for():
     assert len(quick.sweep_cases()) == 1 and len(quick.models) == 1
 
 
-def test_the_compile_step_compiles_for_the_sweep_and_the_model_step_among_the_campaigns_steps():
-    """``compile_calls``: the sweep's calls, then the model step's (each size's training step and
-    inference forward with the patched and the native model: the graphed and compiled native steps
-    launch the native one's kernels, transformers' none), as far as those steps are in the campaign."""
+def test_the_compile_step_compiles_for_the_checks_the_sweep_and_the_model_step_among_the_campaigns_steps():
+    """``compile_calls``: the correctness step's float64 checks (each checked dtype, then the config
+    check's case at each config), the sweep's calls, then the model step's (each size's training step
+    and inference forward with the patched and the native model: the graphed and compiled native
+    steps launch the native one's kernels, transformers' none), as far as those steps are in the
+    campaign, in its order."""
     full = campaign.PLANS["full"]
+    checks = [label for label, _ in campaign.correctness_calls(full)]
     sweep = [label for label, _ in campaign.sweep_calls(full)]
     model = [label for label, _ in campaign.model_step_calls(full)]
+    n_checked = sum(len(dtypes) for _, _, dtypes, _ in full.checks)
+    configs = pinned_configs.all_config_names()
+    assert len(checks) == n_checked + len(configs) and checks[n_checked:] == \
+        [f"check {full.config_check[0]} bfloat16 at {config}" for config in configs]
     assert model == [f"model_step {size} {provider} {mode}" for size in ("base", "large")
                      for provider in ("patched", "native") for mode in ("train", "infer")]
 
     def labels(*steps):
         return [label for label, _ in campaign.compile_calls(dataclasses.replace(full, steps=steps))]
 
-    assert labels(*campaign.STEPS) == sweep + model
+    assert labels(*campaign.STEPS) == checks + sweep + model
     assert labels("env", "compile", "model_step", "plots") == model  # the runbook's call B
-    assert labels("env", "compile", "correctness") == []
+    assert labels("env", "compile", "ncu") == []
 
 
 def test_the_compile_step_makes_the_sweeps_calls_of_our_kernels_in_its_order():
