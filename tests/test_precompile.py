@@ -128,3 +128,27 @@ def test_a_model_step_on_meta_tensors_makes_the_launches_it_makes_under_autocast
     assert lines and run.returncode == 0, f"no result:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     result = json.loads(lines[-1])
     assert result["binaries"] > 10 and result["meta_is_cpu"] and not result["plain_meta_is_cpu"], result
+
+
+def test_the_autocast_stand_in_on_meta_casts_as_cuda_autocast_nests_and_restores_torch():
+    """``fake_gpu.autocast_on_meta``: off until a ``torch.autocast("meta")`` (positional or keyword
+    device type) turns it on; then products in bf16, layer norm in float32; an inner disabled
+    autocast turns it off; torch's own functions answer for other devices and come back after."""
+    import torch
+
+    from bench.compiler.fake_gpu import autocast_on_meta
+
+    x, w = torch.empty(2, 3, device="meta"), torch.empty(4, 3, device="meta")
+    real = (torch.autocast, torch.is_autocast_enabled, torch.get_autocast_dtype)
+    with autocast_on_meta(torch.bfloat16):
+        assert not torch.is_autocast_enabled("meta") and (x @ w.t()).dtype == torch.float32
+        with torch.autocast(device_type="meta", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled("meta") and torch.get_autocast_dtype("meta") == torch.bfloat16
+            assert torch.matmul(x, w.t()).dtype == torch.bfloat16
+            assert torch.nn.functional.layer_norm(x.bfloat16(), (3,)).dtype == torch.float32
+            with torch.autocast("meta", enabled=False):
+                assert not torch.is_autocast_enabled("meta") and (x @ w.t()).dtype == torch.float32
+            assert torch.is_autocast_enabled("meta")
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own, for the CPU
+            assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_enabled("meta")
+    assert (torch.autocast, torch.is_autocast_enabled, torch.get_autocast_dtype) == real

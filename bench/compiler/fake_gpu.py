@@ -198,8 +198,12 @@ def autocast_on_meta(dtype: torch.dtype = torch.bfloat16):
     autocast, enabled, autocast_dtype_of, no_autocast = (torch.autocast, torch.is_autocast_enabled,
                                                          torch.get_autocast_dtype, args.NO_AUTOCAST_DEVICES)
 
-    def meta_or(real, on_meta):
-        return lambda *a, **k: on_meta(*a[1:], **k) if a and a[0] == "meta" else real(*a, **k)
+    def meta_or(real, on_meta):  # torch's function, or on_meta's answer for device type "meta"
+        def call(*a, **k):
+            if (a[0] if a else k.get("device_type")) != "meta":
+                return real(*a, **k)
+            return on_meta(*a[1:], **{name: v for name, v in k.items() if name != "device_type"})
+        return call
 
     torch.autocast = meta_or(autocast, lambda dtype=None, enabled=True, cache_enabled=None: mode.nested(enabled))
     torch.is_autocast_enabled = meta_or(enabled, lambda: mode.enabled[-1])
