@@ -238,12 +238,14 @@ def _log_number(pattern: str, log: str) -> int:
 
 
 def disassemble(cubin: bytes) -> str:
-    """SASS with source lines (``nvdisasm -c -gi``)."""
+    """SASS with source lines (``nvdisasm -c -gi``). ``-ndf`` skips nvdisasm's dataflow analysis,
+    which prints nothing here: the same text on every cubin tried (180, both tritons' nvdisasm),
+    in three quarters of the time."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", "-gi", path], check=True,
+        return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", "-gi", "-ndf", path], check=True,
                               capture_output=True, text=True).stdout
 
 
