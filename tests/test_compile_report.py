@@ -320,6 +320,57 @@ def test_traffic_and_instructions_are_placed_on_their_source_lines():
     assert summed == found["by_kind"]
 
 
+# Each CTA's thread 0 stores its %ctaid.x to shared memory; every thread reads it back and stores at
+# a stride of ctaid + 1 words in the key loop (1, 2, 4 wavefronts a warp at ctaid 0, 1, 3); CTA 2
+# returns before the loop
+_PTX_BY_CTA = """
+.visible .entry k(
+	.param .u32 k_param_0
+)
+.reqntid 64
+{
+	.reg .pred 	%p<4>;
+	.reg .b32 	%r<40>;
+	mov.u32 	%r1, %tid.x;
+	mov.u32 	%r2, %ctaid.x;
+	mov.b32 	%r4, global_smem;
+	setp.eq.u32 	%p1, %r1, 0;
+	@%p1 st.shared.b32 	[%r4+16384], %r2;
+	bar.sync 	0;
+	ld.shared.b32 	%r5, [%r4+16384];
+	add.s32 	%r6, %r5, 1;
+	mul.lo.s32 	%r7, %r1, %r6;
+	shl.b32 	%r8, %r7, 2;
+	add.s32 	%r9, %r4, %r8;
+	setp.eq.u32 	%p2, %r2, 2;
+	@%p2 bra 	$L__RET;
+	mov.u32 	%r10, 0;
+$L__BB0_1:
+	st.shared.b32 	[%r9], %r1;
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r30, %r31, %r32, %r33}, {%r21, %r22, %r23, %r24}, {%r25, %r26}, {%r30, %r31, %r32, %r33};
+	add.s32 	%r10, %r10, 1;
+	setp.lt.s32 	%p3, %r10, 4;
+	@%p3 bra 	$L__BB0_1;
+$L__RET:
+	ret;
+}
+"""
+
+
+def test_smem_traffic_runs_the_sampled_ctas_side_by_side_each_with_its_own_shared_memory():
+    """The sampled CTAs run at once, side by side, and give what each gives alone, averaged: each
+    lane sees its own CTA's %ctaid and shared memory (here a value stored by the CTA's thread 0 and
+    read back by all), and a CTA that returns before the key loop is not counted as reaching it."""
+    grid = (4, 1, 1)
+    alone = [sass.smem_traffic(_PTX_BY_CTA, {}, None, 64, [((x, 0, 0), grid)]) for x in (0, 1, 2, 3)]
+    assert [a["wavefronts"] for a in alone] == [2 * 1, 2 * 2, 0, 2 * 4] and [a["reached"] for a in alone] == [1, 1, 0, 1]
+    together = sass.smem_traffic(_PTX_BY_CTA, {}, None, 64, [((x, 0, 0), grid) for x in (0, 1, 2, 3)])
+    assert together["reached"] == 3 and together["unresolved"] == 0
+    assert together["wavefronts"] == sum(a["wavefronts"] for a in alone) / 4
+    assert together["by_kind"] == {"sts": [sum(a["by_kind"].get("sts", [0])[0] for a in alone) / 4,
+                                           sum(a["wavefronts"] for a in alone) / 4]}
+
+
 def test_smem_traffic_follows_table_values_unpacked_from_wider_loads():
     """Regression: a 16-bit table read as 32-bit words and split by ``mov.b32 {lo, hi}`` (the dQ
     kernel's column numbers) left the lanes' addresses unknown, counted conflict-free. Each lane

@@ -335,8 +335,9 @@ def per_iteration(loop: Loop, trips) -> Counter:
 #
 # SASS does not say which lanes touch which bytes; the PTX does, in integer arithmetic on %tid,
 # %ctaid, the kernel's parameters and what it loads from global memory (the row tables that place
-# the skew's gather). ``smem_traffic`` runs that arithmetic for every thread of one CTA (integers
-# and predicates; floats and shared-memory loads are unknown values), along the CFG in topological
+# the skew's gather). ``smem_traffic`` runs that arithmetic for every thread of the sampled CTAs at
+# once, side by side (integers and predicates; floats and shared-memory loads are unknown values;
+# each CTA its own shared memory), along the CFG in topological
 # order with per-thread active masks (a loop body once: its first iteration), and records each
 # shared-memory access's lanes. Per warp access, the 128-byte wavefronts it needs: accesses of
 # 8 and 16 bytes a lane go in phases of 16 and 8 lanes (ldmatrix/stmatrix: one phase per 8x8
@@ -480,30 +481,39 @@ def _signed(v, bits: int):
 
 
 class _Threads:
-    """Integer/predicate state of one CTA's threads (numpy int64 values, a known mask each)."""
+    """Integer/predicate state of the threads of some CTAs side by side (numpy int64 values, a known
+    mask each): ``threads`` a CTA, lane ``t`` being thread ``t % threads`` of CTA ``ctaids[t //
+    threads]``. Warps never span two CTAs (``threads`` is a multiple of 32); each CTA has its own
+    shared memory."""
 
-    def __init__(self, threads: int, ctaid: tuple, nctaid: tuple, params: dict, memory):
+    def __init__(self, threads: int, ctaids: list, nctaid: tuple, params: dict, memory):
         import numpy as np
 
-        self.np, self.T = np, threads
-        self.tid = np.arange(threads, dtype=np.int64)
+        self.np, self.threads, self.ctas = np, threads, len(ctaids)
+        self.T = threads * self.ctas
+        self.tid = np.arange(self.T, dtype=np.int64)  # a lane's index among all (shuffles stay in its warp)
+        self.cta = self.tid // threads
+        own = self.tid % threads
+        ids = np.array(ctaids, dtype=np.int64).reshape(self.ctas, 3)[self.cta]  # (T, 3)
         self.regs: dict = {}
-        self.special = {"%tid.x": self.tid, "%tid.y": 0, "%tid.z": 0, "%ntid.x": threads, "%ntid.y": 1,
-                        "%ntid.z": 1, "%laneid": self.tid % 32, "%warpid": self.tid // 32,
-                        "%ctaid.x": ctaid[0], "%ctaid.y": ctaid[1], "%ctaid.z": ctaid[2],
+        self.special = {"%tid.x": own, "%tid.y": 0, "%tid.z": 0, "%ntid.x": threads, "%ntid.y": 1,
+                        "%ntid.z": 1, "%laneid": own % 32, "%warpid": own // 32,
+                        "%ctaid.x": ids[:, 0], "%ctaid.y": ids[:, 1], "%ctaid.z": ids[:, 2],
                         "%nctaid.x": nctaid[0], "%nctaid.y": nctaid[1], "%nctaid.z": nctaid[2],
-                        "%cluster_ctarank": 0, "%cluster_nctarank": 1, "%clusterid.x": ctaid[0]}
+                        "%cluster_ctarank": 0, "%cluster_nctarank": 1, "%clusterid.x": ids[:, 0]}
         self.params, self.memory = params, memory
-        self.doubtful = np.zeros(threads, bool)  # threads whose guard predicate is unknown: results unknown
-        # shared memory's bytes as stored (values that go through it, such as a cross-warp reduction
-        # of the tile's positions, stay known)
-        self.shared, self.shared_known = np.zeros(SHARED_WINDOW, np.int64), np.zeros(SHARED_WINDOW, bool)
+        self.doubtful = np.zeros(self.T, bool)  # threads whose guard predicate is unknown: results unknown
+        # shared memory's bytes as stored, SHARED_WINDOW a CTA (values that go through it, such as a
+        # cross-warp reduction of the tile's positions, stay known)
+        self.shared = np.zeros(SHARED_WINDOW * self.ctas, np.int64)
+        self.shared_known = np.zeros(SHARED_WINDOW * self.ctas, bool)
+        self.shared_base = self.cta * SHARED_WINDOW
 
     def shared_read(self, addresses, known, width):
         """(values, known) of a ``width``-byte little-endian load from shared memory per thread."""
         np = self.np
         ok = known & (addresses >= 0) & (addresses + width <= SHARED_WINDOW)
-        where = np.where(ok, addresses, 0)
+        where = np.where(ok, addresses, 0) + self.shared_base
         out = np.zeros(self.T, np.int64)
         for byte in range(width):
             out |= self.shared[where + byte] << (8 * byte)
@@ -511,11 +521,11 @@ class _Threads:
         return out, ok
 
     def shared_write(self, addresses, known, values, values_known, width, active) -> None:
-        np = self.np
         write = active & known & (addresses >= 0) & (addresses + width <= SHARED_WINDOW)
+        where = addresses[write] + self.shared_base[write]
         for byte in range(width):
-            self.shared[addresses[write] + byte] = (values[write] >> (8 * byte)) & 0xFF
-            self.shared_known[addresses[write] + byte] = values_known[write] & ~self.doubtful[write]
+            self.shared[where + byte] = (values[write] >> (8 * byte)) & 0xFF
+            self.shared_known[where + byte] = values_known[write] & ~self.doubtful[write]
 
     def full(self, value, known=True):
         np = self.np
@@ -824,13 +834,13 @@ def _smem_access(state: _Threads, op: PtxOp, active) -> dict | None:
         m, n, k = (int(x) for x in re.search(r"\.m(\d+)n(\d+)k(\d+)", opcode).groups())
         element = _bits(opcode, 16) // 8
         a_desc = not op.args[1].startswith("{")
-        groups = len(set(threads // 128))
+        groups = len(set(zip(state.cta[threads], (threads % state.threads) // 128)))
         size = groups * ((m * k * element if a_desc else 0) + n * k * element)
         return {"kind": "mma", "bytes": size, "wavefronts": size // 128, "unresolved": False}
     if name == "tcgen05" and parts[1] == "mma":
         idesc, known = state.get(op.args[3])
         if not known[threads[0]]:
-            return {"kind": "mma", "bytes": 0, "wavefronts": 0, "unresolved": True}
+            return {"kind": "mma", "bytes": 0, "wavefronts": 0, "unresolved": len(set(state.cta[threads]))}
         word = int(idesc[threads[0]])
         n, m = ((word >> 17) & 0x3F) * 8, ((word >> 24) & 0x1F) * 16
         a_desc = op.args[1].startswith("%rd")
@@ -860,7 +870,7 @@ def _smem_access(state: _Threads, op: PtxOp, active) -> dict | None:
     else:
         return None
     address, known = state.address(where)
-    size, fronts, unresolved = 0, 0, False
+    size, fronts, unresolved = 0, 0, set()
     for w in sorted(set(threads // 32)):
         lane_ids = threads[(threads // 32) == w] - 32 * w
         lane_ids = lane_ids[lane_ids < lanes]
@@ -869,11 +879,11 @@ def _smem_access(state: _Threads, op: PtxOp, active) -> dict | None:
         thread_ids = lane_ids + 32 * w
         size += width * len(lane_ids)
         if not known[thread_ids].all():
-            unresolved = True
+            unresolved.add(int(state.cta[thread_ids[0]]))
             fronts += -(-width * len(lane_ids) // 128)
             continue
         fronts += _wavefronts(np, np.stack([lane_ids, address[thread_ids]], 1), width, per_phase)
-    return {"kind": kind, "bytes": size, "wavefronts": fronts, "unresolved": unresolved}
+    return {"kind": kind, "bytes": size, "wavefronts": fronts, "unresolved": len(unresolved)}
 
 
 def _topological(successors: list, idom: list) -> tuple:
@@ -917,63 +927,64 @@ def smem_traffic(text: str, param_values: dict, memory, threads: int, programs: 
     last_needed = max(order.index(b) for b in key.blocks)
     named = {name: param_values.get(i, (0, False)) for i, (name, _) in enumerate(params)}
     found = {"bytes": 0, "wavefronts": 0, "unresolved": 0, "by_kind": {}, "by_line": {}, "reached": 0}
-    for ctaid, nctaid in programs:
-        entered = False
-        state = _Threads(threads, ctaid, nctaid, named, memory)
-        masks = {0: np.ones(threads, bool)}
-        for node in order[:last_needed + 1]:
-            active = masks.get(node, np.zeros(threads, bool))
-            block = blocks[node]
-            for instruction in block:
-                op = ops[instruction.address]
-                run, state.doubtful = active, np.zeros(threads, bool)
-                if op.guard is not None:
-                    p, known = state.get(op.guard[0])
-                    p = (p == 0) if op.guard[1] else (p != 0)
-                    run, state.doubtful = active & (p | ~known), active & ~known
-                if instruction.base in _ENDS_BLOCK:
-                    continue
-                if node in key.blocks:
-                    entered = entered or bool(run.any())
-                    access = _smem_access(state, op, run)
-                    if access:
-                        found["bytes"] += access["bytes"]
-                        found["wavefronts"] += access["wavefronts"]
-                        found["unresolved"] += access["unresolved"]
-                        for entry in (found["by_kind"].setdefault(access["kind"], [0, 0]),
-                                      found["by_line"].setdefault((op.file, op.line), {}).setdefault(
-                                          access["kind"], [0, 0])):
-                            entry[0] += access["bytes"]
-                            entry[1] += access["wavefronts"]
-                _execute(state, op, run)
-                state.doubtful = np.zeros(threads, bool)
-            last = block[-1]
-            taken = fall = active
-            if last.base in _ENDS_BLOCK:
-                op = ops[last.address]
-                if op.guard is None:
-                    fall = np.zeros(threads, bool)
-                else:
-                    p, known = state.get(op.guard[0])
-                    p = (p == 0) if op.guard[1] else (p != 0)
-                    taken, fall = active & (p | ~known), active & (~p | ~known)
-            # a loop's latch: its one simulated iteration may branch back, but every thread that
-            # reaches it leaves the loop in the end (a loop before the key loop, e.g. the forward's
-            # tiles every row sees, must pass its threads on)
-            latch = any((node, child) in back for child in successors[node])
-            for child in successors[node]:
-                if (node, child) in back:
-                    continue
-                if latch:
-                    masks[child] = masks.get(child, np.zeros(threads, bool)) | active
-                    continue
-                is_target = last.base in ("BRA", "JMP") and labels.get(last.target) == blocks[child][0].address
-                is_next = child == node + 1 and last.base not in _NO_FALLTHROUGH and (
-                    last.base not in _ENDS_BLOCK or last.predicated)
-                none = np.zeros(threads, bool)
-                edge = (taken if is_target else none) | (fall if is_next else none) if (is_target or is_next) else active
-                masks[child] = masks.get(child, np.zeros(threads, bool)) | edge
-        found["reached"] += entered
+    # every sampled CTA at once, side by side (one numpy op an instruction for all of them)
+    state = _Threads(threads, [ctaid for ctaid, _ in programs], programs[0][1], named, memory)
+    lanes = state.T
+    entered = np.zeros(lanes, bool)  # the lanes that ran an instruction of the key loop
+    masks = {0: np.ones(lanes, bool)}
+    for node in order[:last_needed + 1]:
+        active = masks.get(node, np.zeros(lanes, bool))
+        block = blocks[node]
+        for instruction in block:
+            op = ops[instruction.address]
+            run, state.doubtful = active, np.zeros(lanes, bool)
+            if op.guard is not None:
+                p, known = state.get(op.guard[0])
+                p = (p == 0) if op.guard[1] else (p != 0)
+                run, state.doubtful = active & (p | ~known), active & ~known
+            if instruction.base in _ENDS_BLOCK:
+                continue
+            if node in key.blocks:
+                entered |= run
+                access = _smem_access(state, op, run)
+                if access:
+                    found["bytes"] += access["bytes"]
+                    found["wavefronts"] += access["wavefronts"]
+                    found["unresolved"] += access["unresolved"]
+                    for entry in (found["by_kind"].setdefault(access["kind"], [0, 0]),
+                                  found["by_line"].setdefault((op.file, op.line), {}).setdefault(
+                                      access["kind"], [0, 0])):
+                        entry[0] += access["bytes"]
+                        entry[1] += access["wavefronts"]
+            _execute(state, op, run)
+            state.doubtful = np.zeros(lanes, bool)
+        last = block[-1]
+        taken = fall = active
+        if last.base in _ENDS_BLOCK:
+            op = ops[last.address]
+            if op.guard is None:
+                fall = np.zeros(lanes, bool)
+            else:
+                p, known = state.get(op.guard[0])
+                p = (p == 0) if op.guard[1] else (p != 0)
+                taken, fall = active & (p | ~known), active & (~p | ~known)
+        # a loop's latch: its one simulated iteration may branch back, but every thread that
+        # reaches it leaves the loop in the end (a loop before the key loop, e.g. the forward's
+        # tiles every row sees, must pass its threads on)
+        latch = any((node, child) in back for child in successors[node])
+        for child in successors[node]:
+            if (node, child) in back:
+                continue
+            if latch:
+                masks[child] = masks.get(child, np.zeros(lanes, bool)) | active
+                continue
+            is_target = last.base in ("BRA", "JMP") and labels.get(last.target) == blocks[child][0].address
+            is_next = child == node + 1 and last.base not in _NO_FALLTHROUGH and (
+                last.base not in _ENDS_BLOCK or last.predicated)
+            none = np.zeros(lanes, bool)
+            edge = (taken if is_target else none) | (fall if is_next else none) if (is_target or is_next) else active
+            masks[child] = masks.get(child, np.zeros(lanes, bool)) | edge
+    found["reached"] = int(entered.reshape(state.ctas, threads).any(1).sum())
     n = len(programs)
     return {"bytes": found["bytes"] / n, "wavefronts": found["wavefronts"] / n, "unresolved": found["unresolved"],
             "by_kind": {k: [b / n, w / n] for k, (b, w) in sorted(found["by_kind"].items())},
