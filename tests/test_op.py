@@ -211,6 +211,11 @@ BAD_INPUTS = [  # (change to the inputs or None, call options, error, message)
     (lambda c: c.replace(**{n: getattr(c, n)[..., :0] for n in ARG_NAMES}), {}, ValueError, "head dim"),
     (None, dict(scale=float("nan")), ValueError, "scale must be finite"),
     (None, dict(scale=float("inf")), ValueError, "scale must be finite"),
+    # regressions: masks= of another kind raised AttributeError ('Tensor' object has no attribute 'batch');
+    # self_visible beside prepared masks went unnamed ("got masks and []")
+    (None, dict(masks=torch.zeros(2, 5, 8, dtype=torch.bool)), TypeError, "masks must be the PreparedMasks"),
+    (lambda c: c.replace(self_visible=False),
+     dict(masks=xlnet_fast.prepare_masks(2, 5, 8, device="cpu")), ValueError, r"got masks and \[.*'self_visible'\]"),
 ]
 
 
@@ -281,6 +286,40 @@ def test_two_stream_equals_two_calls(mask):
     out_h, out_g = xlnet_fast.rel_attention_two_stream(q_h, q_g, *rest, **joint_kw, backend="eager")
     torch.testing.assert_close(out_h, rel_attention(q_h, *rest, **h_kw, backend="eager"))
     torch.testing.assert_close(out_g, rel_attention(q_g, *rest, **g_kw, backend="eager"))
+
+
+# (keywords of rel_attention_two_stream with B=2, L=7, P=3, K=9 or None, error, message)
+_TWO_STREAM_BAD = [
+    (dict(target_pos=torch.tensor([[6, 0, 7], [2, -1, 5]])), ValueError, "target_pos values must be < qlen = 7"),
+    (dict(target_pos=torch.tensor([[6, 0, 7], [2, -1, 5]]), q_rank=torch.zeros(2, 7, dtype=torch.int32),
+          k_rank=torch.zeros(2, 9, dtype=torch.int32)), ValueError, "target_pos values"),
+    (dict(target_pos=torch.tensor([[6, 0, 9], [2, -1, 5]]), q_seg=torch.zeros(2, 7, dtype=torch.long),
+          k_seg=torch.zeros(2, 9, dtype=torch.long)), ValueError, "target_pos values"),
+    (dict(attn_mask=torch.zeros(2, 7, 8, dtype=torch.bool), attn_mask_g=torch.zeros(2, 3, 9, dtype=torch.bool)),
+     ValueError, r"attn_mask must have shape \(2, 7, 9\)"),
+    (dict(attn_mask=torch.zeros(7, 9, dtype=torch.bool), attn_mask_g=torch.zeros(2, 3, 9, dtype=torch.bool)),
+     ValueError, "attn_mask must have 3 dims"),
+    (dict(attn_mask=torch.zeros(2, 7, 9, dtype=torch.bool), attn_mask_g=torch.zeros(2, 2, 9, dtype=torch.bool)),
+     ValueError, r"attn_mask_g must have shape \(2, 3, 9\)"),
+    (dict(attn_mask=torch.zeros(2, 7, 9, dtype=torch.bool), attn_mask_g=torch.zeros(2, 3, 9)),
+     TypeError, "attn_mask_g must have dtype"),
+    (dict(masks=torch.zeros(2, 10, 9, dtype=torch.bool), target_pos=None), TypeError, "masks must be"),
+]
+
+
+@pytest.mark.parametrize("keywords,exc,match", _TWO_STREAM_BAD, ids=[m for _, _, m in _TWO_STREAM_BAD])
+def test_two_stream_bad_masks_raise_naming_the_argument(keywords, exc, match):
+    """Regression: the two-stream entry points gathered q_seg and q_rank at target_pos and joined
+    attn_mask with attn_mask_g before checking them, so a target position past qlen raised an index
+    error (a device assertion on a GPU) and a bad mask was reported as a joined one the caller never
+    passed (or a torch error)."""
+    case = make_case(B=2, M=7, H=2, D=4, mlen=2, seg=False, dtype=torch.float32)
+    q_g = torch.randn(2, 3, 2, 4)
+    keywords = dict(dict(target_pos=torch.tensor([[6, 0, 3], [2, -1, 5]])), **keywords)
+    if keywords.get("q_seg") is not None:
+        keywords.update(r_s_bias=torch.zeros(2, 4), seg_embed=torch.zeros(2, 2, 4))
+    with pytest.raises(exc, match=match):
+        xlnet_fast.rel_attention_two_stream(case.q, q_g, *case.args()[1:], **keywords, backend="eager")
 
 
 def test_attention_probabilities_keeps_an_explicit_zero_scale():

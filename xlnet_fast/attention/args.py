@@ -138,11 +138,12 @@ def check_values(ok: Tensor, message: str, *values: Tensor) -> None:
         torch._assert_async(ok, "xlnet_fast: " + message.format(*("(on the device)" for _ in values)))
 
 
-def check_positions(q_pos: Tensor, qlen: int) -> None:
-    """q_pos values must be < qlen (negative = padding row): a check of values (``check_values``)."""
+def check_positions(q_pos: Tensor, qlen: int, name: str = "q_pos") -> None:
+    """``name``'s values (positions) must be < qlen (negative = padding row): a check of values
+    (``check_values``)."""
     if q_pos.numel():
         top = q_pos.max()
-        check_values(top < qlen, f"q_pos values must be < qlen = {qlen}, got max {{}}", top)
+        check_values(top < qlen, f"{name} values must be < qlen = {qlen}, got max {{}}", top)
 
 
 def resolve_scale(scale, D: int) -> float:
@@ -199,8 +200,10 @@ class PreparedMasks:
 
 def check_masks(B: int, M: int, K: int, device, *, q_seg=None, k_seg=None, attn_mask=None, q_rank=None,
                 k_rank=None, q_pos=None, qlen=None, self_visible=True, self_rows=None,
-                rows_cover_qlen=False) -> PreparedMasks:
-    """The masks of M query rows over K keys (``rel_attention``'s keywords), checked; no tables."""
+                rows_cover_qlen=False, positions_name="q_pos") -> PreparedMasks:
+    """The masks of M query rows over K keys (``rel_attention``'s keywords), checked; no tables.
+    ``positions_name``: what a position out of range is called (the caller's argument q_pos came
+    from)."""
     device = torch.device(device)
     if (q_seg is None) != (k_seg is None):
         raise ValueError("the segment term needs r_s_bias, seg_embed, q_seg and k_seg; missing "
@@ -218,7 +221,7 @@ def check_masks(B: int, M: int, K: int, device, *, q_seg=None, k_seg=None, attn_
             raise ValueError(f"without q_pos, M = {M} query rows need qlen >= M, got qlen = {qlen}")
     else:
         check_index_tensor("q_pos", q_pos, (B, M), device)
-        check_positions(q_pos, qlen)
+        check_positions(q_pos, qlen, positions_name)
     if attn_mask is not None and (q_rank is not None or k_rank is not None):
         raise ValueError("pass either attn_mask or q_rank/k_rank, not both")
     if attn_mask is not None:
@@ -295,6 +298,7 @@ def validate(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None,
     of one that passed (every check looks at no more), and the same scalars, is not checked again
     (``_PASSED``): a model's layers make the same call, ~20 µs of checks each (bench/NOTES.md)."""
     dense = (q, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed)
+    check_prepared(masks)
     signature = None
     if masks is not None and self_rows is None and qlen is None and self_visible is True and not any(
             t is not None for t in (q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos)):
@@ -314,6 +318,13 @@ def validate(q, k, v, k_r, r_w_bias, r_r_bias, *, r_s_bias=None, seg_embed=None,
             _PASSED.clear()
         _PASSED[signature] = a.scale
     return a
+
+
+def check_prepared(masks) -> None:
+    """``masks=`` is None or what ``prepare_masks`` / ``prepare_two_stream_masks`` return."""
+    if masks is not None and not isinstance(masks, PreparedMasks):
+        raise TypeError("masks must be the PreparedMasks that xlnet_fast.prepare_masks or "
+                        f"prepare_two_stream_masks returns (or None), got {type(masks).__name__}")
 
 
 # signature of a call's arguments (``validate``) -> its resolved scale: arguments that passed
@@ -339,8 +350,9 @@ def _validate(q, q_g, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, *, q_s
     else:
         given = [name for name, t in raw.items() if t is not None]
         if given or qlen is not None or self_rows is not None or self_visible is not True:
+            given += [n for n, t in (("qlen", qlen), ("self_rows", self_rows)) if t is not None]
             raise ValueError(f"pass the masks prepared (masks=) or as keywords, not both: got masks and "
-                             f"{given + [n for n, t in (('qlen', qlen), ('self_rows', self_rows)) if t is not None]}")
+                             f"{given + ([] if self_visible is True else ['self_visible'])}")
         masks.check_call(B, M, K, q.device)
     if (masks.q_seg is None) != (seg_embed is None):
         missing = ["r_s_bias", "seg_embed"] if seg_embed is None else ["q_seg", "k_seg"]

@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import eager
-from .args import DENSE_ARGS, AttnArgs, PreparedMasks, autocast_dtype, check_tensor, schema_fields, validate
+from .args import (DENSE_ARGS, AttnArgs, PreparedMasks, autocast_dtype, check_prepared, check_tensor, schema_fields,
+                   validate)
 from .backends import backend_for_call, run_backend
 from .prepared import prepare_two_stream_masks
 
@@ -323,6 +324,7 @@ def rel_attention_two_stream(
     check_tensor("q_h", q_h, 4)  # (q_g: validate checks it against q_h)
     B, L = q_h.shape[:2]
     raw = (target_pos, q_seg, k_seg, attn_mask, attn_mask_g, q_rank, k_rank)
+    check_prepared(masks)
     if masks is None:
         if target_pos is None:
             raise ValueError("rel_attention_two_stream needs target_pos (or masks= prepared with it)")

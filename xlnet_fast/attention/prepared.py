@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .args import PreparedMasks, check_index_tensor, check_masks
+from .args import PreparedMasks, check_index_tensor, check_masks, check_tensor
 
 
 def _with_tables(masks: PreparedMasks, backend: str) -> PreparedMasks:
@@ -53,10 +53,14 @@ def prepare_two_stream_masks(batch: int, qlen: int, keys: int, *, device, target
     segments and ranks from their positions."""
     device = torch.device(device)
     check_index_tensor("target_pos", target_pos, (batch, None), device)
+    L, P = qlen, target_pos.shape[1]
     if (attn_mask is None) != (attn_mask_g is None):
         raise ValueError("attn_mask and attn_mask_g must be given together")
-    L = qlen
-    at = target_pos.long().clamp(min=0)
+    if attn_mask is not None:  # each under its own name, before they are joined
+        check_tensor("attn_mask", attn_mask, 3, (batch, L, keys), (torch.bool,), device)
+        check_tensor("attn_mask_g", attn_mask_g, 3, (batch, P, keys), (torch.bool,), device)
+    # gathered in range whatever target_pos holds: check_masks checks its values (as positions)
+    at = target_pos.long().clamp(0, max(L - 1, 0))
     q_pos = torch.cat([torch.arange(L, device=device).expand(batch, L), target_pos.long()], dim=1)
     if q_seg is not None:
         check_index_tensor("q_seg", q_seg, (batch, L), device)
@@ -68,6 +72,6 @@ def prepare_two_stream_masks(batch: int, qlen: int, keys: int, *, device, target
         attn_mask = torch.cat([attn_mask, attn_mask_g], dim=1)
     # the content rows (the first L) see their own key, the target rows do not; every position
     # 0..L-1 has a content row, so the kernels may take every tile as banded
-    return _with_tables(check_masks(batch, L + target_pos.shape[1], keys, device, q_seg=q_seg, k_seg=k_seg,
+    return _with_tables(check_masks(batch, L + P, keys, device, q_seg=q_seg, k_seg=k_seg,
                                     attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos, qlen=L, self_rows=L,
-                                    rows_cover_qlen=True), backend)
+                                    rows_cover_qlen=True, positions_name="target_pos"), backend)
