@@ -279,7 +279,7 @@ def _interleave_row_groups(rows: torch.Tensor) -> torch.Tensor:
     if whole == 0:
         return rows
     orders, weights, starts, rest = _row_group_tables(M, rows.device)
-    parity = ((rows[:, :whole, ROW_CODE] >> ROW_POS_SHIFT) & 1).view(B, -1, ROW_GROUP)
+    parity = ((rows[:, :whole, ROW_CODE] >> ROW_POS_SHIFT) & 1).view(B, whole // ROW_GROUP, ROW_GROUP)
     order = (orders[(parity * weights).sum(-1)] + starts).view(B, whole)  # (B, whole)
     if whole < M:
         order = torch.cat([order, rest.expand(B, M - whole)], dim=1)
@@ -815,9 +815,20 @@ def _attention_tensors(q_ops: dict, rows, keys, k, v, k_r, mask, a) -> dict:
                 SEED=a.seed if a.seed is not None else rows)
 
 
+def _scoreless(q, a) -> bool:
+    """Whether a call has no score at all (no batch row, head or query row): nothing to launch; its
+    results are empty, its gradients zeros (as the eager backend's)."""
+    B, L, H, _ = q.shape
+    return B * H * (L + (a.q_g.shape[1] if a.q_g is not None else 0)) == 0
+
+
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. ``q`` holds the caller's rows [0, L) and ``a.q_g`` (when given) the rest.
     Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
+    if _scoreless(q, a):
+        B, L, H, D = q.shape
+        M = L + (a.q_g.shape[1] if a.q_g is not None else 0)
+        return q.new_empty((B, M, H, D)), q.new_empty((B, H, M), dtype=torch.float32)
     r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
     mask = _dense_mask(a)
     k, v, k_r, shape, static = _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask)
@@ -870,6 +881,13 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if _scoreless(q, a):
+        B, L, H, D = q.shape
+        M = L + (a.q_g.shape[1] if a.q_g is not None else 0)
+        return (q.new_zeros((B, M, H, D)), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(k_r),
+                torch.zeros_like(r_w_bias), torch.zeros_like(r_r_bias),
+                torch.zeros_like(a.r_s_bias if a.seg_embed is not None else r_w_bias),
+                (a.seg_embed if a.seg_embed is not None else r_w_bias).new_zeros((2, H, D)))
     r_w_bias, r_r_bias, a = _contiguous_biases(r_w_bias, r_r_bias, a)
     mask = _dense_mask(a)
     k, v, k_r, shape, static = _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask,

@@ -972,6 +972,30 @@ def test_head_dims_past_the_kernels_limit():
     assert rel(out, case.call(eager_attention)) < 1e-6
 
 
+@pytest.mark.parametrize("B, H", [(0, 2), (2, 0)])
+def test_a_call_without_scores_gives_eagers_empty_results_and_zero_gradients(B, H):
+    """Regression: no batch row or no head (a batch filtered down to nothing) gave the eager
+    backend's empty outputs and zero gradients, but failed in the Triton launcher's mask tables
+    (a view of 0 elements) or its grid (cdiv by 0); both streams, raw and prepared masks."""
+    case = make_case(B=B, M=6, H=H, D=16, mlen=2, mask="rank", dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(B, 6, H, 16, device=DEVICE)
+    out, gs = grads(triton_attention, case, dout)
+    want, want_gs = grads(eager_attention, case, dout)
+    assert out.shape == want.shape == (B, 6, H, 16)
+    assert all(g.shape == w.shape and not g.any() and not w.any() for g, w in zip(gs, want_gs))
+    target_pos = torch.zeros(B, 3, dtype=torch.long, device=DEVICE)
+    masks = xlnet_fast.prepare_two_stream_masks(B, 6, 8, device=DEVICE, target_pos=target_pos, q_rank=case.q_rank,
+                                                k_rank=case.k_rank, q_seg=case.q_seg, k_seg=case.k_seg,
+                                                backend="triton")
+    q_g = case.q[:, :3].detach().clone().requires_grad_()
+    out_h, out_g = xlnet_fast.rel_attention_two_stream(case.q, q_g, case.k, case.v, case.k_r, case.r_w_bias,
+                                                       case.r_r_bias, r_s_bias=case.r_s_bias, seg_embed=case.seg_embed,
+                                                       masks=masks, backend="triton")
+    assert out_h.shape == (B, 6, H, 16) and out_g.shape == (B, 3, H, 16)
+    out_g.sum().backward()
+    assert q_g.grad.shape == q_g.shape and not q_g.grad.any()
+
+
 @settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(L=st.integers(1, 70), targets=st.integers(0, 30), seed=st.integers(0, 2**16))
 @example(L=21, targets=27, seed=65535)  # regression: a padding row moved into the last group's middle
