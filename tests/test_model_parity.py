@@ -205,6 +205,18 @@ def test_return_dict_false_gives_tuples_like_hf():
     assert rel_err(b[0], a[0]) < TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.bool])
+def test_token_type_ids_of_any_integer_dtype_as_transformers_takes_them(dtype):
+    """Regression: token_type_ids in a narrow integer dtype or bool (transformers compares them with
+    ``!=``) were refused with a TypeError naming ``q_seg``, an argument the caller never passed."""
+    hf, ours = twins("XLNetLMHeadModel")
+    types = (token_types() % 2 if dtype == torch.bool else token_types()).to(dtype)
+    with torch.no_grad():
+        a = hf(ids(), token_type_ids=types, attention_mask=left_pad_mask())
+        b = ours(ids(), token_type_ids=types, attention_mask=left_pad_mask())
+    assert rel_err(b.logits, a.logits) < TOL
+
+
 # ---------------------------------------------------------------------------------------------
 # Save / load round trips with transformers
 # ---------------------------------------------------------------------------------------------

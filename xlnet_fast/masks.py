@@ -225,7 +225,10 @@ def _segments(s: MaskSpec) -> dict:
     """The segment ids of the current rows and of the keys (memory keys: segment 0)."""
     if s.token_type_ids is None:
         return {}
-    return dict(q_seg=s.token_type_ids, k_seg=F.pad(s.token_type_ids, (s.mlen, 0)))
+    ids = s.token_type_ids
+    if ids.dtype not in (torch.int32, torch.int64):  # any integer or bool, as transformers takes them
+        ids = ids.long()
+    return dict(q_seg=ids, k_seg=F.pad(ids, (s.mlen, 0)))
 
 
 def _query_on_targets(inputs: AttentionInputs, vis: _Visibility, target_pos: Tensor, s: MaskSpec, device,
