@@ -257,13 +257,17 @@ def rel_attention(
 
     q: ``(B, M, H, D)`` query rows (float32, bfloat16, float16; float64 on the eager backend).
     k, v: ``(B, K, H, D)``, ``K = mlen + qlen``, memory first.
-    k_r: ``(Br, R, H, D)``, ``Br in {1, B}``, ``R >= K + 1``: projected relative positions K, K-1, ...
+    k_r: ``(Br, R, H, D)``, ``Br in {1, B}``, ``R >= K + 1``: projected relative positions K, K-1, ...,
+    K - R + 1 (query-key distances); a key whose distance has no row is not visible: ``R = K + 1``
+    is causal attention (transformers' ``attn_type="uni"``), ``R >= K + qlen`` sees every key.
     r_w_bias, r_r_bias: ``(H, D)`` content and position biases.
     r_s_bias: ``(H, D)``, seg_embed: ``(2, H, D)``, q_seg: ``(B, M)``, k_seg: ``(B, K)`` int: the
     segment term (all four or none).
     attn_mask: ``(B, M, K)`` bool, True = blocked; or the rank masks:
     q_rank: ``(B, M)``, k_rank: ``(B, K)`` int32: key j is visible to query i iff
-    ``k_rank[j] < q_rank[i]``, or ``self_visible`` and j is the query's own key ``mlen + p_i``.
+    ``k_rank[j] < q_rank[i]``, or ``self_visible`` and j is the query's own key ``mlen + p_i``
+    (``self_visible`` is part of the rank rule: without masks every key is visible, as in
+    transformers, and an attn_mask says everything itself).
     q_pos: ``(B, M)`` int position of each query row in the current segment (negative = padding
     row, output 0); default ``arange(M)`` with ``qlen = M``.
     qlen: int, the current segment's length (default M).
@@ -311,7 +315,9 @@ def rel_attention_two_stream(
     """Both XLNet streams in one launch; they share k, v and k_r. Equal to two ``rel_attention`` calls.
 
     q_h: ``(B, L, H, D)`` the content stream, one row per position, which also sees its own key.
-    q_g: ``(B, P, H, D)`` the query stream's target rows, which do not see their own key.
+    q_g: ``(B, P, H, D)`` the query stream's target rows, which do not see their own key under the
+    rank masks (without masks every row sees every key, as in transformers; attn_mask_g decides with
+    dense masks).
     target_pos: ``(B, P)`` int position of each target row (negative = padding row).
     q_seg: ``(B, L)`` segments of the positions (target rows take theirs from it); k_seg: ``(B, K)``.
     q_rank: ``(B, L)``, k_rank: ``(B, K)`` int32 ranks for both streams; or dense
