@@ -84,6 +84,11 @@ BAD_INPUTS = [
     (dict(mems=[torch.zeros(3, B, 32), torch.zeros(4, B, 32)]), ValueError, r"mems\[1\] has mlen"),
     (dict(attention_mask=torch.ones(B, L, device="meta")), ValueError, "attention_mask is on meta"),
     (dict(q_rank=torch.zeros(B, L, dtype=torch.int32)), ValueError, "given together"),
+    # regression: int64 ranks past int32 were narrowed, wrapping into other ranks or the sentinels
+    (dict(q_rank=torch.full((B, L), 2**31), k_rank=torch.zeros(B, L, dtype=torch.long)), ValueError,
+     r"q_rank values must fit in int32 .*, got \[2147483648, 2147483648\]"),
+    (dict(q_rank=torch.zeros(B, L, dtype=torch.long), k_rank=torch.full((B, L), -2**31 - 1)), ValueError,
+     "k_rank values must fit in int32"),
     (dict(target_pos=torch.zeros(B, 2, dtype=torch.long), target_mapping=torch.zeros(B, 2, L)), ValueError,
      "either target_mapping or target_pos"),
 ]

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from .attention.args import check_values
 from .attention.prepared import PreparedMasks, prepare_masks, prepare_two_stream_masks
 from .kernel_contract import contract
 
@@ -168,6 +169,16 @@ def _dense_blocked(s: MaskSpec, device) -> Tensor:
     return blocked
 
 
+def _int32_ranks(name: str, ranks: Tensor) -> Tensor:
+    """The model's ranks (any integer dtype) as the op's int32; int64 values past int32 are an error
+    (a check of values), not wrapped into another rank or a sentinel."""
+    if ranks.dtype == torch.int64 and ranks.numel():
+        low, high = ranks.min(), ranks.max()
+        check_values((low >= INT32_MIN) & (high <= INT32_MAX),
+                     f"{name} values must fit in int32 [{INT32_MIN}, {INT32_MAX}], got [{{}}, {{}}]", low, high)
+    return ranks.to(torch.int32)
+
+
 def _visibility(s: MaskSpec, device) -> _Visibility:
     """Ranks where the inputs allow it (padding, causal "uni", the caller's ranks), a dense mask for a
     ``perm_mask`` (or ``same_length``)."""
@@ -179,7 +190,7 @@ def _visibility(s: MaskSpec, device) -> _Visibility:
         own = j == s.mlen + torch.arange(L, device=device)[:, None]
         return _Visibility(dense_h=blocked & ~own, dense_g=blocked)
     if s.q_rank is not None:
-        rank_q, rank_k = s.q_rank.to(torch.int32), s.k_rank.to(torch.int32)
+        rank_q, rank_k = _int32_ranks("q_rank", s.q_rank), _int32_ranks("k_rank", s.k_rank)
     elif uni:  # causal: key j visible to query i iff j <= i
         ar = torch.arange(L, dtype=torch.int32, device=device).expand(B, L)
         rank_q, rank_k = ar + 1, ar
