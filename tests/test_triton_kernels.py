@@ -1017,7 +1017,7 @@ def test_row_groups_pair_opposite_parities(L, targets, seed):
 
     def table(q_pos):
         a = AttnArgs(None, None, None, None, None, None, None, q_pos, L, L, 0.125, 0.0, None, rows_cover_qlen=True)
-        return kernels._rows_table(a, 1, q_pos.shape[1], torch.device("cpu"))[0][0]
+        return kernels.mask_tables(a, 1, q_pos.shape[1], L, torch.device("cpu"))[0][0]
 
     gen = torch.Generator().manual_seed(seed)
     target_pos = torch.randint(-1, L, (1, targets), generator=gen)
@@ -1042,6 +1042,129 @@ def test_row_groups_pair_opposite_parities(L, targets, seed):
         pos = (table(q_pos)[:, ROW_CODE].long() >> ROW_POS_SHIFT).tolist()
         for g in range(0, len(pos) // ROW_GROUP * ROW_GROUP, ROW_GROUP):
             assert opposite(pos[g:g + ROW_GROUP]) == half
+
+
+def _reference_tables(B, M, K, qlen, self_rows, q_seg, k_seg, q_rank, k_rank, q_pos, dense, packed):
+    """The ROWS and KEYS tables as contract.py describes them, by loops over plain Python values."""
+    from xlnet_fast.kernels import contract, tables
+
+    c = contract
+    padded = -(-K // c.KEY_PAD) * c.KEY_PAD
+    all_rows, all_keys = [], []
+    for b in range(B):
+        ids = sorted(set(k_seg[b].tolist())) if q_seg is not None else []
+        code_of = {x: n for n, x in enumerate(ids)}
+        ranks = k_rank[b].tolist() if q_rank is not None else None
+        keys = [[0] * padded for _ in range(c.KEY_FIELDS)]
+        for j in range(padded):
+            seg = code_of[k_seg[b, j].item()] if q_seg is not None and j < K else 0
+            keys[c.KEY_SEG][j] = seg
+            if j >= K:
+                keys[c.KEY_RANK][j] = c.PACKED_PAD_KEY if packed else c.INT32_MAX
+            elif packed:
+                below = sum(r < ranks[j] for r in ranks) if ranks is not None else 0
+                keys[c.KEY_RANK][j] = below << c.KEY_RANK_SHIFT | seg
+            else:
+                keys[c.KEY_RANK][j] = ranks[j] if ranks is not None else -1
+        pos = q_pos[b].clamp(min=-1).tolist() if q_pos is not None else list(range(M))
+        order = sorted(range(M), key=lambda i: (pos[i] < 0, pos[i], i >= self_rows, i))
+        last = max([p for p in pos if p >= 0], default=0)
+        rows = []
+        for i in order:
+            real = pos[i] >= 0
+            seg = code_of.get(q_seg[b, i].item(), -1) if q_seg is not None else 0
+            if q_rank is None:
+                rank = (1 << c.KEY_RANK_SHIFT) if packed else 0
+            elif packed:
+                rank = sum(r < q_rank[b, i].item() for r in ranks) << c.KEY_RANK_SHIFT
+            else:
+                rank = q_rank[b, i].item()
+            below = [r < q_rank[b, i].item() for r in ranks] if q_rank is not None else [True] * K
+            free = (below + [False]).index(False) if not dense else 0
+            row = [0] * c.ROW_FIELDS
+            row[c.ROW_CODE] = (pos[i] if real else last) << c.ROW_POS_SHIFT | int(real and i < self_rows)
+            row[c.ROW_SEG], row[c.ROW_RANK] = seg, rank if real else c.INT32_MIN
+            row[c.ROW_SRC], row[c.ROW_FREE] = i, free if real else 0
+            rows.append(row)
+        for g in range(0, M - M % c.ROW_GROUP, c.ROW_GROUP):
+            pattern = sum(((rows[g + s][c.ROW_CODE] >> c.ROW_POS_SHIFT) & 1) << s for s in range(c.ROW_GROUP))
+            rows[g:g + c.ROW_GROUP] = [rows[g + s] for s in tables.ROW_GROUP_ORDERS[pattern]]
+        all_rows.append(rows)
+        all_keys.append(keys)
+    return torch.tensor(all_rows, dtype=torch.int32).view(B, M, c.ROW_FIELDS), torch.tensor(all_keys, dtype=torch.int32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 2), qlen=st.integers(1, 150), mlen=st.integers(0, 140), extra_rows=st.integers(0, 40),
+       positions=st.sampled_from(["none", "two-stream", "any"]), segments=st.booleans(),
+       masks=st.sampled_from(["none", "ranks", "dense"]), packed=st.booleans(), seed=st.integers(0, 2**16))
+def test_mask_tables_match_a_python_reference(B, qlen, mlen, extra_rows, positions, segments, masks, packed, seed):
+    """Every field of the ROWS and KEYS tables the launcher builds on the device (``kernels/tables.py``:
+    counts in blocks, several programs per batch row) against contract.py's description written as
+    loops: segment codes the rank of an id among a batch row's distinct key ids (-1 for a row's id
+    no key has), rank codes the number of key ranks below, rows sorted by position with padding rows
+    last and each whole group reordered by ``ROW_GROUP_ORDERS``, the free-key counts; ids past int32,
+    sentinels, key counts over one block (128), packed and not."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+    from xlnet_fast.kernels import contract
+
+    gen = torch.Generator().manual_seed(seed)
+    K = qlen + mlen
+    if positions == "none":
+        M, q_pos = qlen, None
+    elif positions == "two-stream":
+        target_pos = torch.randint(-1, qlen, (B, extra_rows), generator=gen)
+        q_pos = torch.cat([torch.arange(qlen).expand(B, qlen), target_pos], dim=1)
+        M = q_pos.shape[1]
+    else:
+        M = extra_rows + 1
+        q_pos = torch.randint(-2**40, qlen, (B, M), generator=gen) % (qlen + 1) - 1  # -1 .. qlen - 1
+    self_rows = qlen if positions == "two-stream" else int(torch.randint(0, M + 1, (), generator=gen))
+    q_seg = k_seg = q_rank = k_rank = attn_mask = None
+    if segments:  # a few ids, some past int32
+        pool = torch.tensor([-(2**40), -3, 0, 1, 2, 2**33 + 1])
+        k_seg = pool[torch.randint(0, len(pool), (B, K), generator=gen)]
+        q_seg = pool[torch.randint(0, len(pool), (B, M), generator=gen)]
+    if masks == "ranks":
+        pool = torch.tensor([contract.INT32_MIN, -1, 0, 1, 2, 5, contract.INT32_MAX], dtype=torch.int32)
+        q_rank = pool[torch.randint(0, len(pool), (B, M), generator=gen)]
+        k_rank = pool[torch.randint(0, len(pool), (B, K), generator=gen)]
+    elif masks == "dense":
+        attn_mask = torch.rand(B, M, K, generator=gen) < 0.3
+    a = AttnArgs(None, None, q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, qlen, self_rows, 0.125, 0.0, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(contract, "PACKED_KEYS_MAX", contract.PACKED_KEYS_MAX if packed else 0)
+        rows, keys = kernels.mask_tables(a, B, M, K, torch.device("cpu"))
+    want_rows, want_keys = _reference_tables(B, M, K, qlen, self_rows, q_seg, k_seg, q_rank, k_rank, q_pos,
+                                             masks == "dense", packed)
+    assert torch.equal(keys, want_keys)
+    assert torch.equal(rows, want_rows)
+
+
+def test_the_tables_op_passes_opcheck_and_builds_the_launchers_tables():
+    """``torch.ops.xlnet_fast.mask_tables`` (what torch.compile traces through): its schema, fake and
+    real implementation agree (``torch.library.opcheck``), with segments, ranks and positions, and
+    without any mask (no tensor argument: the device is an argument)."""
+    from xlnet_fast import kernels
+    from xlnet_fast.attention import AttnArgs
+
+    gen = torch.Generator().manual_seed(0)
+    B, L, P, K = 2, 9, 4, 13
+    q_pos = torch.cat([torch.arange(L).expand(B, L), torch.randint(-1, L, (B, P), generator=gen)], dim=1)
+    q_seg, k_seg = torch.randint(0, 3, (B, L + P), generator=gen), torch.randint(0, 3, (B, K), generator=gen)
+    q_rank = torch.randint(-2, 5, (B, L + P), generator=gen, dtype=torch.int32)
+    k_rank = torch.randint(-2, 5, (B, K), generator=gen, dtype=torch.int32)
+    cpu = torch.device("cpu")
+    for masks, rows, self_rows in (((q_seg, k_seg, None, q_rank, k_rank, q_pos), L + P, L),
+                                   ((None,) * 6, L, L)):
+        args = (*masks, B, rows, K, L, self_rows, cpu)
+        torch.library.opcheck(torch.ops.xlnet_fast.mask_tables.default, args)
+        got = torch.ops.xlnet_fast.mask_tables(*args)
+        a = AttnArgs(None, None, masks[0], masks[1], None, masks[3], masks[4], masks[5], L, self_rows, 0.125, 0.0,
+                     None)
+        want = kernels.mask_tables(a, B, rows, K, cpu)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
 
 
 @settings(max_examples=30, deadline=None)
@@ -1160,31 +1283,6 @@ def test_the_free_key_tiles_run_where_the_time_model_predicts_a_gain():
     assert kernels._runs_free_key_tiles(None, 128, 4)
 
 
-def test_rank_codes_of_padding_only_masks_trace_without_searchsorted():
-    """Regression (H100, torch 2.11): the native model compiled with inductor failed on padding-only
-    masks (every row's rank 1, a constant after tracing), because inductor's Triton code for
-    torch.searchsorted does not compile when the searched values fold to a constant. That Triton
-    code needs a GPU, so here: the traced codes use no searchsorted and count the keys below."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from xlnet_fast import kernels
-    from xlnet_fast.attention import AttnArgs
-    from xlnet_fast.kernels.contract import INT32_MAX, KEY_RANK_SHIFT
-
-    def codes(k_rank):
-        q_rank = torch.ones(2, 5, dtype=torch.int32)  # padding-only masks: a constant
-        a = AttnArgs(None, None, None, None, None, q_rank, k_rank, None, 5, 0, 0.125, 0.0, None)
-        return kernels._rank_codes(a, 2, 5, 7, torch.device("cpu"))
-
-    k_rank = torch.tensor([[0, 0, INT32_MAX, 0, INT32_MAX, 0, 0], [INT32_MAX] * 3 + [0] * 4], dtype=torch.int32)
-    graph = make_fx(codes)(k_rank)
-    assert not [n for n in graph.graph.nodes if "searchsorted" in str(n.target)]
-    q_codes, k_codes = graph(k_rank)
-    real = (k_rank == 0).sum(1, keepdim=True)  # every row sees every real key, no padding key
-    assert torch.equal(q_codes >> KEY_RANK_SHIFT, real.expand(2, 5))
-    assert torch.equal((k_codes >> KEY_RANK_SHIFT) < real, k_rank == 0)
-
-
 @pytest.mark.parametrize("name", ["rank_query_per_batch_k_r", "target_rows_with_padding", "content_seg_mem"])
 def test_calls_past_the_packed_keys_limit_match_eager(name, monkeypatch):
     """Calls of more keys than contract.PACKED_KEYS_MAX keep ranks and segment codes apart (two
@@ -1192,11 +1290,7 @@ def test_calls_past_the_packed_keys_limit_match_eager(name, monkeypatch):
     from xlnet_fast import kernels
     from xlnet_fast.kernels import contract
 
-    def no_codes(*args, **kwargs):
-        raise AssertionError("rank codes computed for a call past the packed limit")
-
     monkeypatch.setattr(contract, "PACKED_KEYS_MAX", 8)
-    monkeypatch.setattr(kernels, "_rank_codes", no_codes)
     kernels.clear_launches()  # no shape planned with the shipped limit
     try:
         case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
@@ -1217,8 +1311,7 @@ def test_two_stream_rows_are_banded_for_every_tile_size():
     target_pos = torch.randint(-1, L, (2, P), generator=torch.Generator().manual_seed(3))
     q_pos = torch.cat([torch.arange(L).expand(2, L), target_pos], dim=1)
     a = AttnArgs(None, None, None, None, None, None, None, q_pos, L, L, 0.125, 0.0, None, rows_cover_qlen=True)
-    rows, banded_only = kernels._rows_table(a, 2, L + P, torch.device("cpu"))
-    assert banded_only
+    rows, _ = kernels.mask_tables(a, 2, L + P, L, torch.device("cpu"))
     pos = rows[..., ROW_CODE].long() >> ROW_POS_SHIFT
     for block_m in (16, 64, 128):
         for start in range(0, L + P, block_m):  # tiles start at multiples of BLOCK_M

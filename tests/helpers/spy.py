@@ -34,7 +34,8 @@ class OpCalls(TorchDispatchMode):
         return sum(n for (name, b), n in self.calls.items() if name == op and backend in (None, b))
 
     def backends(self) -> set:
-        return {b for _, b in self.calls}
+        """The backends the attention ops ran on (``mask_tables``, the Triton backend's tables, has none)."""
+        return {b for name, b in self.calls if name.startswith("rel_attention")}
 
 
 @contextlib.contextmanager

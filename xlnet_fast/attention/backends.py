@@ -7,6 +7,8 @@ forced backend never falls back: it runs or raises.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..kernel_contract import contract
 from . import eager
@@ -107,3 +109,16 @@ def run_backend(backend: str, name: str, *args):
         raise RuntimeError(
             f"{exc}\nxlnet_fast: out of memory in the eager backend, which materialises (B, H, M, K) "
             "attention scores; on a GPU, backend='triton' keeps O(L) memory") from exc
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def through_dispatcher(tensors) -> bool:
+    """Whether the package calls its ops (``op._RelAttention``, ``prepared.triton_tables``) through
+    torch's dispatcher: while torch.compile traces (it sees the op, opaque, and its fake), under a
+    dispatch mode or with a tensor subclass among the inputs ``tensors`` (whatever they expect of an
+    op). Else it calls their implementations directly: the dispatcher's wrapper of a Python custom op
+    costs ~25 µs per call (bench/NOTES.md)."""
+    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+            or any(type(t) not in _PLAIN_TENSORS for t in tensors if t is not None))

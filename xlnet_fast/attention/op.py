@@ -14,13 +14,12 @@ import dataclasses
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import eager
 from .args import (DENSE_ARGS, AttnArgs, PreparedMasks, autocast_dtype, check_prepared, check_tensor, schema_fields,
                    validate)
-from .backends import backend_for_call, run_backend
-from .prepared import prepare_two_stream_masks
+from .backends import backend_for_call, run_backend, through_dispatcher
+from .prepared import mask_tables_impl, prepare_two_stream_masks, triton_tables
 
 _FIELDS = schema_fields()
 _FIELD_NAMES = tuple(name for name, _ in _FIELDS)
@@ -96,7 +95,8 @@ _backward_op = torch.library.custom_op("xlnet_fast::rel_attention_backward", _ba
                                        schema=_schema(("dout",) + DENSE_ARGS, ("out", "lse", "dout_g?"), len(_GRADS)))
 _backward_op.register_fake(_backward_fake)
 # the real implementations by op name (bench.host_cost runs them on meta tensors)
-REAL_IMPLEMENTATIONS = {"rel_attention": _forward_impl, "rel_attention_backward": _backward_impl}
+REAL_IMPLEMENTATIONS = {"rel_attention": _forward_impl, "rel_attention_backward": _backward_impl,
+                        "mask_tables": mask_tables_impl}
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -129,23 +129,11 @@ def _backward(ctx, dout, _dlse):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
-def _through_dispatcher(tensors) -> bool:
-    """Whether ``_RelAttention`` calls the ops through torch's dispatcher: while torch.compile traces
-    (it sees the op, opaque, and its fake), under a dispatch mode or with a tensor subclass among the
-    inputs (whatever they expect of an op). Else it calls their implementations directly: the
-    dispatcher's wrapper of a Python custom op costs ~25 µs per call (bench/NOTES.md)."""
-    return (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
-            or any(type(t) not in _PLAIN_TENSORS for t in tensors if t is not None))
-
-
 class _RelAttention(torch.autograd.Function):
     """The entry points' autograd boundary: the two ops, their saved tensors and the formula of
     ``register_autograd`` without torch's generic wrapper around them (~220 µs per call in grad mode
     against ~45 here: bench/NOTES.md), and in eager mode without the dispatcher
-    (``_through_dispatcher``). Its tensor arguments are the differentiable ones; the record ``a``
+    (``backends.through_dispatcher``). Its tensor arguments are the differentiable ones; the record ``a``
     (validated: masks, their tables, the seed, the scalars) rides along. Returns ``out``, or with
     ``q_g`` its rows [0, L) and [L, M) apart (views), whose gradients reach the backward op apart,
     never concatenated."""
@@ -153,7 +141,7 @@ class _RelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: str, a: AttnArgs, q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_g):
         dense = (q, k, v, k_r, r_w_bias, r_r_bias)
-        if _through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
+        if through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
             out, lse = torch.ops.xlnet_fast.rel_attention(*dense, *_flatten(a), backend)
         else:
             out, lse = run_backend(backend, "forward", *dense, a)
@@ -170,7 +158,7 @@ class _RelAttention(torch.autograd.Function):
         q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias, seg_embed, q_g, out, lse = ctx.saved_tensors
         dense = (q, k, v, k_r, r_w_bias, r_r_bias)
         a = ctx.record
-        if _through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
+        if through_dispatcher((*dense, r_s_bias, seg_embed, q_g)):
             grads = torch.ops.xlnet_fast.rel_attention_backward(dout, *dense, *_flatten(a), ctx.backend, out, lse,
                                                                 dout_g)
         else:
@@ -223,10 +211,8 @@ def _call(dense: tuple[Tensor, ...], a: AttnArgs, backend: str):
                                "the step uncaptured")
         a.seed = dropout_seed(dense[0].device, resolved)  # a: this call's own record (validate's)
     if resolved == "triton" and a.rows_table is None:
-        from .. import kernels
-
-        a.rows_table, a.keys_table = kernels.mask_tables(a, dense[0].shape[0], _rows(dense[0], a), dense[1].shape[1],
-                                                         dense[0].device)
+        a.rows_table, a.keys_table = triton_tables(a, dense[0].shape[0], _rows(dense[0], a), dense[1].shape[1],
+                                                   dense[0].device)
     return _RelAttention.apply(resolved, a, *dense, a.r_s_bias, a.seg_embed, a.q_g)
 
 

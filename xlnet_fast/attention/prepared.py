@@ -2,12 +2,13 @@
 
 The op's masks (segments, ranks or a dense mask, query positions) depend on the inputs of a model's
 forward, not on its layers: ``prepare_masks`` / ``prepare_two_stream_masks`` check them and build
-what the kernels read (``xlnet_fast.kernels.mask_tables``: rows sorted by position, key ranks and
-segment codes) once, and every layer passes the result (``masks=``) to ``rel_attention`` /
-``rel_attention_two_stream``, forward and backward (the tables are saved for the backward like any
-input). A call given raw mask keywords prepares them itself, for that call only. No host sync: the
-checks of values (positions) go through ``args.check_values``. The record itself,
-``PreparedMasks``, and its checks live with the op's other arguments (``args.py``).
+what the kernels read (``xlnet_fast.kernels.mask_tables``, on the GPU, behind the op
+``xlnet_fast::mask_tables``: rows sorted by position, key ranks and segment codes) once, and every
+layer passes the result (``masks=``) to ``rel_attention`` / ``rel_attention_two_stream``, forward
+and backward (the tables are saved for the backward like any input). A call given raw mask keywords
+prepares them itself, for that call only. No host sync: the checks of values (positions) go through
+``args.check_values``. The record itself, ``PreparedMasks``, and its checks live with the op's other
+arguments (``args.py``).
 """
 
 from __future__ import annotations
@@ -15,17 +16,54 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernel_contract import contract
 from . import backends
 from .args import PreparedMasks, check_index_tensor, check_masks, check_tensor
+
+
+def mask_tables_impl(q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, batch: int, rows: int, keys: int, qlen: int,
+                     self_rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The op ``xlnet_fast::mask_tables``: ``kernels.mask_tables`` of these masks."""
+    from .. import kernels
+
+    masks = PreparedMasks(batch=batch, rows=rows, keys=keys, device=device, qlen=qlen, self_rows=self_rows,
+                          q_seg=q_seg, k_seg=k_seg, attn_mask=attn_mask, q_rank=q_rank, k_rank=k_rank, q_pos=q_pos)
+    return kernels.mask_tables(masks, batch, rows, keys, device)
+
+
+def _tables_fake(q_seg, k_seg, attn_mask, q_rank, k_rank, q_pos, batch: int, rows: int, keys: int, qlen: int,
+                 self_rows: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    padded = -(-keys // contract.KEY_PAD) * contract.KEY_PAD
+    return (torch.empty((batch, rows, contract.ROW_FIELDS), dtype=torch.int32, device=device),
+            torch.empty((batch, contract.KEY_FIELDS, padded), dtype=torch.int32, device=device))
+
+
+# The tables as an op of its own, so that torch.compile traces a model's forward through it (the
+# kernels' launches are opaque to it) and takes its shapes from the fake; attn_mask is not read,
+# only whether there is one (every key tile is then tested)
+_tables_op = torch.library.custom_op(
+    "xlnet_fast::mask_tables", mask_tables_impl, mutates_args=(),
+    schema="(Tensor? q_seg, Tensor? k_seg, Tensor? attn_mask, Tensor? q_rank, Tensor? k_rank, Tensor? q_pos, "
+           "int batch, int rows, int keys, int qlen, int self_rows, Device device) -> (Tensor, Tensor)")
+_tables_op.register_fake(_tables_fake)
+
+
+def triton_tables(a, batch: int, rows: int, keys: int, device) -> tuple[Tensor, Tensor]:
+    """The Triton backend's ROWS and KEYS tables (``xlnet_fast.kernels.mask_tables``) of the masks of
+    ``a`` (a ``PreparedMasks`` or the op's record) for ``batch`` batch rows, ``rows`` query rows and
+    ``keys`` keys on ``device``."""
+    masks = (a.q_seg, a.k_seg, a.attn_mask, a.q_rank, a.k_rank, a.q_pos)
+    if backends.through_dispatcher(masks):
+        return torch.ops.xlnet_fast.mask_tables(*masks, batch, rows, keys, a.qlen, a.self_rows, torch.device(device))
+    from .. import kernels
+
+    return kernels.mask_tables(a, batch, rows, keys, device)
 
 
 def _with_tables(masks: PreparedMasks, backend: str) -> PreparedMasks:
     """``masks`` with the Triton backend's tables when ``backend`` resolves to it on their device."""
     if masks.rows_table is None and backends.resolve_backend(backend, masks.device) == "triton":
-        from .. import kernels
-
-        masks.rows_table, masks.keys_table = kernels.mask_tables(masks, masks.batch, masks.rows, masks.keys,
-                                                                 masks.device)
+        masks.rows_table, masks.keys_table = triton_tables(masks, masks.batch, masks.rows, masks.keys, masks.device)
     return masks
 
 
