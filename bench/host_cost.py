@@ -21,8 +21,8 @@ not views or allocations); tensor reads on the host (``item``, ``bool``, ``int``
 The tensors are CPU tensors at the shape given (``--device cpu``): with the kernels stubbed, the
 prepared call runs no PyTorch op with a CPU kernel worth timing but the dropout seed's draw; large
 allocations come from the heap as from CUDA's caching allocator (glibc's ``mallopt``: no ``mmap`` per
-allocation). The raw call's figure includes its tables' build on the CPU (some 60 small ops, each an
-asynchronous launch on a GPU): its launch count is the figure to compare. ``--device meta`` runs on
+allocation). The raw call's figure includes its masks' checks and join (a dozen small ops, each an
+asynchronous launch on a GPU) and its tables' three launches (stubbed, as the kernels'). ``--device meta`` runs on
 meta tensors instead, whose Python shape functions make many ops slower than a GPU's host path.
 
 Runs in a process of its own without ``TRITON_INTERPRET`` (the kernels must be compiled); the first

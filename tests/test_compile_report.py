@@ -419,7 +419,7 @@ def test_the_analysis_cache_changes_with_the_launchers_tables(monkeypatch):
 
     def edited(obj):
         text = source(obj)
-        return text.replace("def _interleave_row_groups", "def _interleave_row_groups_v2") if obj is kernels else text
+        return text.replace("def _row_groups_kernel", "def _row_groups_kernel_v2") if obj is kernels.tables else text
 
     monkeypatch.setattr(inspect, "getsource", edited)
     assert launches._analysis_version() != before

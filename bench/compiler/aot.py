@@ -31,6 +31,8 @@ from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.autotuner import Autotuner
+from triton.runtime import interpreter
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 # A pointer's 16-byte alignment is what the binder specialises on; real allocations (CUDA's caching
@@ -103,6 +105,36 @@ def capture_launches():
         yield recorder
     finally:
         JITFunction.run, Autotuner.run = jit_run, autotuner_run
+
+
+@contextlib.contextmanager
+def interpreting():
+    """Within the block JIT functions run in triton's interpreter (on CPU tensors), in a process that
+    imported them to compile (``TRITON_INTERPRET`` unset): a launch, and the JIT functions it calls
+    (triton's own included), go to ``InterpretedFunction``, and triton's language is as before
+    afterwards (the interpreter's own call of a JIT function leaves it patched). Triton 3.6's interpreter reads an integer argument used as a loop bound as a one-element
+    array, which NumPy 2 no longer turns into an int; 3.9 squeezes it first, as here."""
+    run, call, patch_tensor = JITFunction.run, JITFunction.__call__, interpreter._patch_lang_tensor
+
+    def patch_tensor_squeezed(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: InterpretedFunction(self.fn).run(
+        *args, grid=grid, warmup=warmup, **kwargs)
+    def call_interpreted(self, *args, **kwargs):  # as InterpretedFunction.__call__, the language restored after
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
+        finally:
+            scope.restore()
+
+    JITFunction.__call__ = call_interpreted
+    interpreter._patch_lang_tensor = patch_tensor_squeezed
+    try:
+        yield
+    finally:
+        JITFunction.run, JITFunction.__call__, interpreter._patch_lang_tensor = run, call, patch_tensor
 
 
 def _tables_only(arg):

@@ -81,7 +81,7 @@ def attention_case(case: Case) -> cases.AttentionCase:
 
 
 def op_calls(case: Case, device: str = "meta") -> list:
-    """THE SCENARIO BUILDER. ``[(phase, call)]``: calls of the op's launch code (forward, then
+    """THE SCENARIO BUILDER. ``[(phase, call)]``: calls of the op's launch code (its mask tables, forward, then
     backward) on the inputs ``bench.cases`` builds for the scenario, on ``device`` ("meta": compile
     only). Adapt this function, and only it, when the launch code's arguments change."""
     from xlnet_fast import kernels
@@ -100,6 +100,8 @@ def op_calls(case: Case, device: str = "meta") -> list:
     else:
         q, q_g = floats["q"], None
         prepared = prepare_masks(B, L, K, device=device, backend="eager", **masks)
+    if device == "cpu":  # values the recorded launches read: the skew's lanes follow the row tables
+        prepared.rows_table, prepared.keys_table = interpreted_tables(prepared)
     k, v, k_r, r_w_bias, r_r_bias = (floats[n] for n in ("k", "v", "k_r", "r_w_bias", "r_r_bias"))
     args = validate(q, k, v, k_r, r_w_bias, r_r_bias, r_s_bias=floats["r_s_bias"], seg_embed=floats["seg_embed"],
                     q_g=q_g, masks=prepared, scale=1.0 / math.sqrt(case.D), dropout_p=0.1 if case.dropout else 0.0)
@@ -121,7 +123,28 @@ def op_calls(case: Case, device: str = "meta") -> list:
         with _stored_ds_bytes(0):
             backward()
 
-    return [("forward", forward), ("backward", backward), ("backward recomputing dS", backward_recomputing_ds)]
+    def tables():  # the kernels (on the CPU the values above, interpreted, are what the others read)
+        kernels.mask_tables(prepared, prepared.batch, prepared.rows, prepared.keys, device)
+
+    return [("mask tables", tables), ("forward", forward), ("backward", backward),
+            ("backward recomputing dS", backward_recomputing_ds)]
+
+
+def interpreted_tables(masks) -> tuple:
+    """The mask tables of ``masks`` (``PreparedMasks`` on the CPU) as the launcher builds them on a
+    GPU, by its kernels (``kernels/tables.py``) run in triton's interpreter in this compiling process,
+    a program per batch row's rows and one per its keys (what the report compiles is the GPU's)."""
+    from xlnet_fast import kernels
+    from xlnet_fast.kernels import tables
+
+    blocks = tables.BLOCK_ROWS, tables.BLOCK_KEYS
+    tables.BLOCK_ROWS = triton.next_power_of_2(masks.rows)
+    tables.BLOCK_KEYS = max(triton.next_power_of_2(masks.keys), blocks[1])
+    try:
+        with aot.interpreting():
+            return kernels.mask_tables(masks, masks.batch, masks.rows, masks.keys, masks.device)
+    finally:
+        tables.BLOCK_ROWS, tables.BLOCK_KEYS = blocks
 
 
 @contextlib.contextmanager
@@ -244,8 +267,9 @@ class Task:
 def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> tuple[list, list]:
     """One task per distinct binary the scenarios' launches make on ``arch``: the attention kernels'
     (at ``configs``, or the first candidate only), and apart the operand kernels' (``operands.py``:
-    one pass over their inputs each, no config to choose and nothing to compare with)."""
-    from xlnet_fast.kernels import operands
+    one pass over their inputs each, no config to choose and nothing to compare with) and the mask
+    tables' (``tables.py``, role "tables": once per set of masks)."""
+    from xlnet_fast.kernels import operands, tables
 
     tasks: dict = {}
     operand_tasks: dict = {}
@@ -254,10 +278,11 @@ def op_tasks(arch: int, scenarios: list, configs: set, first_only: bool) -> tupl
         # smem_traffic follows); the float tensors are kept as meta tensors (aot.capture_launches)
         for launch in capture(op_calls(case, "cpu"), arch):
             name, labels = config_name(launch), launch.labels
-            if launch.fn in operands.KERNELS:
+            if launch.fn in operands.KERNELS or launch.fn in tables.KERNELS:
                 key = aot.compile_key(launch, arch)
+                role = "operands" if launch.fn in operands.KERNELS else "tables"
                 operand_tasks.setdefault(key, Task(arch, launch, key, {
-                    "arch": arch, "kernel": launch.name, "role": "operands", "candidate": None, "D": case.D,
+                    "arch": arch, "kernel": launch.name, "role": role, "candidate": None, "D": case.D,
                     "dtype": case.dtype, "scenarios": [], "flags": _flags(launch), "config": name}))
                 operand_tasks[key].info["scenarios"].append(case.label)
                 continue
@@ -448,14 +473,14 @@ def _source_line(path: str | None, line: int | None) -> str:
 
 
 def _analysis_version() -> str:
-    """Changes when the code that reads binaries does, or the launcher that builds the tables the
-    shared-memory count places its lanes by (the cache's validity: a key names a binary, not the
+    """Changes when the code that reads binaries does, or the launcher or kernels that build the tables
+    the shared-memory count places its lanes by (the cache's validity: a key names a binary, not the
     values it runs on)."""
     from xlnet_fast import kernels
 
     source = (inspect.getsource(analyse) + inspect.getsource(smem_traffic) + inspect.getsource(sampled_programs)
               + inspect.getsource(aot) + inspect.getsource(sass) + inspect.getsource(kernels)
-              + inspect.getsource(kernels.contract))
+              + inspect.getsource(kernels.tables) + inspect.getsource(kernels.contract))
     return hashlib.sha256(f"{triton.__version__}\n{source}".encode()).hexdigest()[:16]
 
 
