@@ -29,7 +29,7 @@ MASK_RANKS = 2
 ROW_FIELDS = 5
 # Then each whole group of ROW_GROUP rows (one MMA accumulator's lanes hold ROW_GROUP consecutive
 # tile rows, lane // 4) is reordered within itself, its first and last row kept, so that the skew's
-# reads hit distinct shared-memory banks (kernels._interleave_row_groups): a tile's first and last
+# reads hit distinct shared-memory banks (tables.ROW_GROUP_ORDERS): a tile's first and last
 # rows still hold its lowest and highest position.
 ROW_GROUP = 8
 ROW_CODE = 0
