@@ -25,21 +25,10 @@ import triton
 import triton.language as tl
 
 from . import contract
+from .rel_attention import (INT32_MAX, INT32_MIN, KEY_FIELDS, KEY_RANK, KEY_SEG, ROW_CODE, ROW_FIELDS, ROW_FREE,
+                            ROW_OWN_KEY, ROW_POS_SHIFT, ROW_RANK, ROW_SEG, ROW_SRC)
 
-INT32_MIN = tl.constexpr(contract.INT32_MIN)
-INT32_MAX = tl.constexpr(contract.INT32_MAX)
-ROW_FIELDS = tl.constexpr(contract.ROW_FIELDS)
-ROW_CODE = tl.constexpr(contract.ROW_CODE)
-ROW_SEG = tl.constexpr(contract.ROW_SEG)
-ROW_RANK = tl.constexpr(contract.ROW_RANK)
-ROW_SRC = tl.constexpr(contract.ROW_SRC)
-ROW_FREE = tl.constexpr(contract.ROW_FREE)
 ROW_GROUP = tl.constexpr(contract.ROW_GROUP)
-ROW_POS_SHIFT = tl.constexpr(contract.ROW_POS_SHIFT)
-ROW_OWN_KEY = tl.constexpr(contract.ROW_OWN_KEY)
-KEY_FIELDS = tl.constexpr(contract.KEY_FIELDS)
-KEY_SEG = tl.constexpr(contract.KEY_SEG)
-KEY_RANK = tl.constexpr(contract.KEY_RANK)
 KEY_RANK_SHIFT = tl.constexpr(contract.KEY_RANK_SHIFT)
 PACKED_PAD_KEY = tl.constexpr(contract.PACKED_PAD_KEY)
 # a packed row's rank code 1: every key of code 0 is below it
