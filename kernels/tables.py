@@ -189,7 +189,7 @@ def _row_fields(QSEG, KSEG, FIRST, QRANK, KRANK, QPOS, SORTED, b, rows, M, K, ql
         rank = q_rank
     elif PACKED_KEYS:  # every real row sees every real key (codes 0)
         rank = tl.full([BLOCK_M], RANK_CODE_ONE, dtype=tl.int32)
-    else:  # ... (ranks -1)
+    else:  # every real row sees every real key: rank 0 against the keys' -1
         rank = tl.zeros([BLOCK_M], dtype=tl.int32)
     if FREE:
         free = tl.where(real, first_unseen, 0)
