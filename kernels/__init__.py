@@ -476,16 +476,19 @@ def _static_args(shape: _Shape) -> dict:
     return static
 
 
+def _multiprocessors(device_index: int | None) -> int:
+    """The multiprocessors of CUDA device ``device_index``; INTERPRETER_MULTIPROCESSORS for None."""
+    if device_index is None:
+        return INTERPRETER_MULTIPROCESSORS
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _dkr_splits(batch_per_kr: int, programs: int, device_index: int | None) -> int:
     """Into how many groups the deterministic dk_r kernel splits the ``batch_per_kr`` batch rows
     sharing a k_r, for its ``programs`` unsplit programs (at the largest BLOCK_N) to reach
     DKR_PROGRAMS_PER_SM per multiprocessor: a function of the shape and the device only, so the
     order of its sums is too. No empty group."""
-    if device_index is None:
-        multiprocessors = INTERPRETER_MULTIPROCESSORS
-    else:
-        multiprocessors = torch.cuda.get_device_properties(device_index).multi_processor_count
-    wanted = max(1, min(batch_per_kr, triton.cdiv(DKR_PROGRAMS_PER_SM * multiprocessors, programs)))
+    wanted = max(1, min(batch_per_kr, triton.cdiv(DKR_PROGRAMS_PER_SM * _multiprocessors(device_index), programs)))
     return triton.cdiv(batch_per_kr, triton.cdiv(batch_per_kr, wanted))
 
 

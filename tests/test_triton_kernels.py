@@ -163,10 +163,16 @@ def test_deterministic_dk_r_split_over_batch_rows_matches_eager(monkeypatch):
     """The deterministic dk_r kernel's programs each sum a group of the batch rows sharing k_r, the
     groups' sums added after (``_dkr_splits``): 3 rows in groups of 2 and 1, reading the stored dS
     and recomputing it, against the float64 eager path; a second call bitwise the same, and the
-    unsplit kernel's dk_r within fp32 rounding."""
+    unsplit kernel's dk_r within fp32 rounding. The device counted as one multiprocessor, with the
+    programs-per-SM target that asks for two groups at its largest BLOCK_N (the interpreter's 16: 3
+    programs; a GPU's: 1), so that the split is the same everywhere (an H200's 132 SMs split the
+    3 rows in 3 groups at any target)."""
     from xlnet_fast import kernels
 
     case = make_case(B=3, M=20, H=1, D=16, mlen=5, dtype=torch.float32).to(device=DEVICE)
+    monkeypatch.setattr(kernels, "_multiprocessors", lambda device_index: 1)
+    programs = math.ceil(case.k_r.shape[1] / max(kernels._tile_sizes("BLOCK_N")))  # 45 k_r rows, 1 head
+    two_groups = 2 * programs
     dout = torch.randn(case.q.shape, device=DEVICE)
     ref_out, g_ref = grads(eager_attention, case.to(dtype=torch.float64), dout.double())
     k_r = GRAD_NAMES.index("k_r")
@@ -175,15 +181,13 @@ def test_deterministic_dk_r_split_over_batch_rows_matches_eager(monkeypatch):
         for limit in (kernels.STORED_DS_BYTES, 0):
             monkeypatch.setattr(kernels, "STORED_DS_BYTES", limit)
             found = {}
-            # 3 programs unsplit (45 k_r rows at the interpreter's BLOCK_N 16, 1 head): 6 per SM
-            # wants 2 groups of batch rows
-            for per_sm in (1, 6, 6)[limit == 0:]:
+            for per_sm in (1, two_groups, two_groups)[limit == 0:]:
                 monkeypatch.setattr(kernels, "DKR_PROGRAMS_PER_SM", per_sm)
                 kernels.clear_launches()
                 found.setdefault(per_sm, []).append(grads(triton_attention, case, dout))
                 assert {plan["sizes"]["dkr_splits"] for plan in kernels._STATIC.values() if "gops" in plan} == {
                     1 if per_sm == 1 else 2}
-            (out, g), (_, g_again) = found[6]
+            (out, g), (_, g_again) = found[two_groups]
             assert rel(out, ref_out) < 1e-5
             assert_grads_match(g, g_ref)
             assert torch.equal(g[k_r], g_again[k_r])
@@ -512,14 +516,23 @@ def test_position_term_of_16_bit_inputs_is_rounded_to_bf16(targets):
     bf16, as transformers' products are under autocast, and keep the skew's window in 16 bits
     (kernels/rel_attention.py, ``_skew_window``): the output follows the float64 reference with
     that rounding, several times closer than the reference without it. k_r is scaled up so that
-    the rounding shows; banded tiles (content rows) and the general path (sparse target rows)."""
+    the rounding shows; banded tiles (content rows) and the general path (sparse target rows).
+    The query operands are exact in bf16 (no biases, no segment term, ``scale * log2(e)`` = 1/2),
+    so that the references differ from the kernels in bd's rounding alone: on a GPU, which rounds
+    to nearest, rounding ``(q + r_r_bias) * scale * log2(e)`` to bf16 moves the output as much
+    (an H200: 0.0065 against 0.0071 with the biases; a float64 emulation of the kernels' roundings
+    gives at most 0.14 of to_plain without them, over 24 draws)."""
     q_pos = torch.randint(-1, 24, (2, 9), generator=torch.Generator().manual_seed(3)) if targets else None
-    case = make_case(B=2, M=9 if targets else 24, H=2, D=16, mlen=8, qlen=24, mask="rank", q_pos=q_pos)
-    case = case.replace(k_r=case.k_r * 6).to(dtype=torch.bfloat16).to(device=DEVICE)
-    out = case.call(triton_attention)
+    case = make_case(B=2, M=9 if targets else 24, H=2, D=16, mlen=8, qlen=24, mask="rank", seg=False, q_pos=q_pos)
+    case = case.replace(k_r=case.k_r * 12, r_w_bias=torch.zeros_like(case.r_w_bias),
+                        r_r_bias=torch.zeros_like(case.r_r_bias))
+    case = case.to(dtype=torch.bfloat16).to(device=DEVICE)
+    scale = math.log(2) / 2  # scale * log2(e) = 1/2: the operands' scaling is exact
+    out = case.call(functools.partial(triton_attention, scale=scale))
     exact = case.to(device="cpu", dtype=torch.float64)
-    plain = exact.call(reference_attention)
-    rounded = exact.call(functools.partial(reference_attention, position_rounding=_bf16_as_the_device_rounds))
+    plain = exact.call(functools.partial(reference_attention, scale=scale))
+    rounded = exact.call(functools.partial(reference_attention, scale=scale,
+                                           position_rounding=_bf16_as_the_device_rounds))
     # the output is bf16: against both references rounded alike
     to_rounded, to_plain = (rel_err(out, _bf16_as_the_device_rounds(ref)) for ref in (rounded, plain))
     assert to_rounded < 0.25 * to_plain
