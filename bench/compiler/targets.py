@@ -290,22 +290,31 @@ EXPOSED_LOAD_CYCLES = 800  # what a single-stage key loop waits for its tiles' g
 # on both runs, 0.2-0.25 order the most pairs, 0.15 and 0.3 fewer (bench/NOTES.md, "H100 after
 # kernel v4 steps 1-3": the next run tests it out of sample).
 WARPS_EXPONENT = 0.25
+# R7, fitted on the H200's D=64 and first D=128 configs (2026-11-29, bench/NOTES.md "The time model
+# sees one resident block"): a kernel with one block resident per SM waits at each of its barriers
+# (the skew's shared-memory round trip) with no other block to issue, SINGLE_BLOCK_PENALTY slower
+# (0.3-0.5 order the same pairs); a spilled byte costs SPILL_WEIGHT shared-memory bytes (its store
+# and load go through L1, and a miss there to L2). R6 ordered 688 of 797 pairs, R7 729.
+SINGLE_BLOCK_PENALTY = 0.4
+SPILL_WEIGHT = 2
 
 
 def model_terms(record: dict) -> dict | None:
     """Per score and SM: ``issue`` (warp instructions / 4), ``l1`` (shared-memory wavefronts, bank
-    conflicts included, plus the key loop's spill bytes / 128), ``load`` (EXPOSED_LOAD_CYCLES per
-    iteration of a single-stage loop), ``warps`` (resident per SM); None without the figures."""
+    conflicts included, plus the key loop's spill bytes / 128), ``spill`` (those spill bytes / 128
+    alone), ``load`` (EXPOSED_LOAD_CYCLES per iteration of a single-stage loop), ``warps`` and
+    ``blocks`` (resident per SM); None without the figures."""
     if not record.get("inst_per_score") or record.get("smem_beq_per_score") is None or not record.get(
             "resident_warps"):
         return None
     tiles, rest = record["config"].split("w", 1)
     block_m, block_n = (int(x) for x in tiles.split("x"))
-    stages = int(rest.split("s")[1].split("r")[0])
+    warps_per_block, stages = int(rest.split("s")[0]), int(rest.split("s")[1].split("r")[0])
+    spill = (record.get("local_bytes_per_score") or 0) / WAVEFRONT_BYTES
     return {"issue": record["inst_per_score"] / 32 / ISSUE_PER_CYCLE,
-            "l1": (record["smem_beq_per_score"] + (record.get("local_bytes_per_score") or 0)) / WAVEFRONT_BYTES,
+            "l1": record["smem_beq_per_score"] / WAVEFRONT_BYTES + spill, "spill": spill,
             "load": EXPOSED_LOAD_CYCLES / (block_m * block_n) if stages == 1 else 0.0,
-            "warps": record["resident_warps"]}
+            "warps": record["resident_warps"], "blocks": record["resident_warps"] // warps_per_block}
 
 
 # The candidate rules of bench/NOTES.md ("What ranks real speed"), cycles per score up to a constant;
@@ -319,8 +328,11 @@ RULES = {
     "R5": lambda t: t["issue"] + t["l1"] + t["load"],
     "R6": lambda t: (t["issue"] + t["l1"] + t["load"]) * (LATENCY_WARPS / min(t["warps"], LATENCY_WARPS))
     ** WARPS_EXPONENT,
+    "R7": lambda t: (t["issue"] + t["l1"] + (SPILL_WEIGHT - 1) * t["spill"] + t["load"])
+    * (LATENCY_WARPS / min(t["warps"], LATENCY_WARPS)) ** WARPS_EXPONENT
+    * (1 + SINGLE_BLOCK_PENALTY * (t["blocks"] == 1)),
 }
-MODEL = "R6"
+MODEL = "R7"
 
 
 def predicted_cycles(record: dict, rule: str = MODEL) -> float | None:
@@ -621,8 +633,8 @@ def calibration(records: list, references: list, times: list) -> dict:
     for r in known:
         if r["kernel"] == "xlnet_fast":
             # one run (a later run times other kernels) and one shape (the same length can come at
-            # two (B, mlen), as 2048/0 and 2048/384 did)
-            groups.setdefault((r["run"], r["gpu"], r["role"], r["qlen"], r["scores"]), []).append(r)
+            # two (B, mlen), as 2048/0 and 2048/384 did, and at two head dims)
+            groups.setdefault((r["run"], r["gpu"], r["role"], r["D"], r["qlen"], r["scores"]), []).append(r)
     for group in groups.values():
         for i, a in enumerate(group):
             for b in group[i + 1:]:
