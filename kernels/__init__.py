@@ -417,6 +417,8 @@ def _static_args(shape: _Shape) -> dict:
     dkr_rows = _dkr_rows(R, shape.qlen, K)
     dkr_elements = Br * R * H * D
     n_convert = triton.cdiv(dkr_elements, _operands.FINISH_BLOCK)
+    finish_step = _operands.FINISH_STEP // block_d  # rows per step of the finishing kernel's sums
+    finish_chunk = max(_operands.FINISH_CHUNK_ROWS, finish_step)  # both powers of two
     dkr_splits = _dkr_splits(B // Br, triton.cdiv(R, max(_tile_sizes("BLOCK_N"))) * Br * H, shape.device)
     static = dict(
         sizes=dict(B=B, L=L, M=M, H=H, D=D, K=K, Br=Br, R=R, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles,
@@ -442,9 +444,9 @@ def _static_args(shape: _Shape) -> dict:
         finish=dict(**_strides("q", shape.q[4:]), **_strides("g", q_g), n_dkr=dkr_elements, dkr_rows=dkr_rows, R=R,
                     M=M, L=L, H=H, n_m_tiles=n_m_tiles, n_n_tiles=n_n_tiles, n_convert=n_convert,
                     SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d, BLOCK=_operands.FINISH_BLOCK,
-                    ROWS_STEP=_operands.FINISH_STEP // block_d),
-        heads=dict(B=B, H=H, scale=shape.scale, SEGMENTS=segments, HEAD_DIM=D, BLOCK_D=block_d,
-                   B_STEP=_operands.HEADS_B_STEP),
+                    ROWS_STEP=finish_step, CHUNK_ROWS=finish_chunk, n_chunks=triton.cdiv(M, finish_chunk)),
+        heads=dict(B=B, H=H, n_chunks=triton.cdiv(M, finish_chunk), scale=shape.scale, SEGMENTS=segments,
+                   HEAD_DIM=D, BLOCK_D=block_d, B_STEP=_operands.HEADS_B_STEP),
     )
     static["dkdv"]["FIX_UP"] = False
     static["fixup"] = dict(static["dkdv"], FIX_UP=True)
@@ -840,11 +842,13 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
                  DRR=torch.empty((H, D), dtype=r_r_bias.dtype, device=device),
                  DRS=torch.empty((H, D), dtype=(a.r_s_bias if segments else r_w_bias).dtype, device=device),
                  DSEG=torch.empty((2, H, D), dtype=(a.seg_embed if segments else r_w_bias).dtype, device=device))
-    # per (batch row, head) sums, then per head their sum over batch rows (one program per head
-    # summing every batch row was the backward's fourth-slowest kernel: bench/NOTES.md)
-    sums = torch.empty((B * H, _operands.FINISH_PARTS.value, static["finish"]["BLOCK_D"]), dtype=torch.float32,
+    # per (batch row, head, chunk of rows) sums, then per head their sum over batch rows and chunks
+    # (one program per head summing every batch row was the backward's fourth-slowest kernel; one per
+    # batch row and head 5% of the fwd+bwd at 1x16 8192: bench/NOTES.md)
+    n_shares = B * H * static["finish"]["n_chunks"]
+    sums = torch.empty((n_shares, _operands.FINISH_PARTS.value, static["finish"]["BLOCK_D"]), dtype=torch.float32,
                        device=device)
-    _run("finish", (static["finish"]["n_convert"] + B * H,), static,
+    _run("finish", (static["finish"]["n_convert"] + n_shares,), static,
          dict(DKR=grads["DKR"], DKR_SUMS=dkr_sums, PART=part, PARTK=part_k, G=g_diff, ROWS=rows, Q=q,
               Q_G=a.q_g if a.q_g is not None else q, SUMS=sums,
               n_m_used=_tile_count(static, dq_role, deterministic, q_tiles, "BLOCK_M", M, sz["n_m_tiles"]),

@@ -29,8 +29,12 @@ ROWS_PER_PROGRAM = 32
 # ROWS table had a fifth field).
 FINISH_BLOCK = 1024
 FINISH_STEP = 2048
-# The rows of a (batch row, head)'s partial sums that the finishing kernel writes and the heads'
-# kernel adds over batch rows (SUMS); batch rows per step of that sum.
+# Query rows of one (batch row, head) per finishing program, at least a step's (and that batch row's
+# and head's share of the per-tile sums): with one program per (batch row, head), 16 programs
+# walked 8192 rows each at 1x16 8192 (H200: 0.47 ms, 5% of the fwd+bwd; 0.93 ms at 16384).
+FINISH_CHUNK_ROWS = 128
+# The rows of a (batch row, head, chunk)'s partial sums that the finishing kernel writes and the
+# heads' kernel adds over batch rows and chunks (SUMS); those per step of that sum.
 SUM_PARTK, SUM_PART, SUM_GQ, SUM_G = (tl.constexpr(i) for i in range(4))
 FINISH_PARTS = tl.constexpr(4)
 HEADS_B_STEP = 32
@@ -174,13 +178,16 @@ def _grad_operands_kernel(
 
 
 @triton.jit
-def _tile_sums(PARTS, bh, n_tiles, n_used, d, BLOCK_D: tl.constexpr, ROWS_STEP: tl.constexpr):
-    """(BLOCK_D,) fp32: the sum of the first ``n_used`` tiles of row ``bh`` of PARTS (B*H, n_tiles, BLOCK_D)."""
+def _tile_sums(PARTS, bh, n_tiles, n_used, chunk, n_chunks, d, BLOCK_D: tl.constexpr, ROWS_STEP: tl.constexpr):
+    """(BLOCK_D,) fp32: the sum of share ``chunk`` of ``n_chunks`` of the first ``n_used`` tiles of row
+    ``bh`` of PARTS (B*H, n_tiles, BLOCK_D)."""
+    per_chunk = tl.cdiv(n_used, n_chunks)
+    t_end = tl.minimum(n_used, (chunk + 1) * per_chunk)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     base = PARTS + tl.cast(bh, tl.int64) * n_tiles * BLOCK_D
-    for t0 in range(0, n_used, ROWS_STEP):
+    for t0 in range(chunk * per_chunk, t_end, ROWS_STEP):
         t = t0 + tl.arange(0, ROWS_STEP)
-        acc += tl.sum(tl.load(base + t[:, None] * BLOCK_D + d[None, :], mask=(t < n_used)[:, None], other=0.0),
+        acc += tl.sum(tl.load(base + t[:, None] * BLOCK_D + d[None, :], mask=(t < t_end)[:, None], other=0.0),
                       axis=0)
     return acc
 
@@ -189,22 +196,24 @@ def _tile_sums(PARTS, bh, n_tiles, n_used, d, BLOCK_D: tl.constexpr, ROWS_STEP: 
 def _grad_finish_kernel(
     DKR_SUMS, DKR, PART, PARTK, G, ROWS, Q, Q_G, SUMS,
     stride_qb, stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd,
-    n_dkr, dkr_rows, R, M, L, H, n_m_tiles, n_n_tiles, n_m_used, n_n_used, n_convert,
+    n_dkr, dkr_rows, R, M, L, H, n_m_tiles, n_n_tiles, n_m_used, n_n_used, n_convert, n_chunks,
     SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS_STEP: tl.constexpr,
+    ROWS_STEP: tl.constexpr, CHUNK_ROWS: tl.constexpr,
 ):
     """The backward's last pass but one. Programs [0, n_convert) write dk_r: DKR (Br, R, H, HEAD_DIM)
     in k_r's dtype, the kernels' fp32 sums DKR_SUMS (Br, dkr_rows, H, HEAD_DIM) over log2 e (the
     kernels differentiate base-2 scores); ``n_dkr`` = Br * R * H * HEAD_DIM elements. Program
-    n_convert + b * H + h writes batch row b's share of head h's bias and segment sums to SUMS (B*H,
-    FINISH_PARTS, BLOCK_D) fp32, which ``_grad_heads_kernel`` adds over batch rows (one program per
-    head summing every batch row took 0.55 ms at B=32, H=16, 512/384 on an H100):
+    n_convert + (b * H + h) * n_chunks + c writes the share of chunk c (CHUNK_ROWS rows, and a
+    ``n_chunks``-th of the tiles) of batch row b in head h's bias and segment sums to SUMS
+    (B*H*n_chunks, FINISH_PARTS, BLOCK_D) fp32, which ``_grad_heads_kernel`` adds over batch rows
+    and chunks (one program per head summing every batch row took 0.55 ms at B=32, H=16, 512/384 on
+    an H100):
     SUM_PARTK: the dK/dV kernel's PARTK (B*H, n_n_tiles, BLOCK_D) summed over its first n_n_used
     tiles, the column sums of r_w_bias's gradient; SUM_PART: the dQ kernel's PART (B*H, n_m_tiles,
     BLOCK_D), n_m_used filled, those of dq before the segment term (both biases); with SEGMENTS, from
     G (B, H, M), each row's dS over keys of another segment (rows in ROWS order): SUM_GQ = sum over
     real rows of G * q (q read from Q/Q_G at the caller's rows) and SUM_G = [sum of G, sum of G over
-    real rows, 0, ...]. Grid (n_convert + B * H,)."""
+    real rows, 0, ...]. Grid (n_convert + B * H * n_chunks,)."""
     pid = tl.program_id(0)
     if pid < n_convert:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -214,19 +223,23 @@ def _grad_finish_kernel(
         x = tl.load(DKR_SUMS + sums_at, mask=offs < n_dkr, other=0.0)
         tl.store(DKR + offs, (x / LOG2E).to(DKR.dtype.element_ty), mask=offs < n_dkr)
     else:
-        bh = pid - n_convert
+        share = pid - n_convert
+        bh = share // n_chunks
+        chunk = share % n_chunks
         b = tl.cast(bh // H, tl.int64)
         h = bh % H
         d = tl.arange(0, BLOCK_D)
         d_in = d < HEAD_DIM
-        out = SUMS + tl.cast(bh, tl.int64) * FINISH_PARTS * BLOCK_D + d
-        tl.store(out + SUM_PARTK * BLOCK_D, _tile_sums(PARTK, bh, n_n_tiles, n_n_used, d, BLOCK_D, ROWS_STEP))
-        tl.store(out + SUM_PART * BLOCK_D, _tile_sums(PART, bh, n_m_tiles, n_m_used, d, BLOCK_D, ROWS_STEP))
+        out = SUMS + tl.cast(share, tl.int64) * FINISH_PARTS * BLOCK_D + d
+        tl.store(out + SUM_PARTK * BLOCK_D,
+                 _tile_sums(PARTK, bh, n_n_tiles, n_n_used, chunk, n_chunks, d, BLOCK_D, ROWS_STEP))
+        tl.store(out + SUM_PART * BLOCK_D,
+                 _tile_sums(PART, bh, n_m_tiles, n_m_used, chunk, n_chunks, d, BLOCK_D, ROWS_STEP))
         if SEGMENTS:
             g_all = tl.zeros((ROWS_STEP,), tl.float32)
             g_real = tl.zeros((ROWS_STEP,), tl.float32)
             g_q = tl.zeros((BLOCK_D,), tl.float32)
-            for m0 in range(0, M, ROWS_STEP):
+            for m0 in range(chunk * CHUNK_ROWS, tl.minimum(M, (chunk + 1) * CHUNK_ROWS), ROWS_STEP):
                 rows, row_in, src, real = _rows_of_program(ROWS, m0 // ROWS_STEP, b, M, ROWS_STEP)
                 g = tl.load(G + (b * H + h) * M + rows, mask=row_in, other=0.0)
                 g_all += g
@@ -240,23 +253,25 @@ def _grad_finish_kernel(
 
 
 @triton.jit
-def _batch_sums(SUMS, h, H, B, part, d, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr):
-    """(BLOCK_D,) fp32: row ``part`` of SUMS (B*H, FINISH_PARTS, BLOCK_D) summed over the batch rows of
-    head h, in batch order."""
+def _batch_sums(SUMS, h, H, B, n_chunks, part, d, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr):
+    """(BLOCK_D,) fp32: row ``part`` of SUMS (B*H*n_chunks, FINISH_PARTS, BLOCK_D) summed over the
+    batch rows and chunks of head h, in a fixed order."""
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for b0 in range(0, B, B_STEP):
-        b = b0 + tl.arange(0, B_STEP)
-        at = ((tl.cast(b, tl.int64) * H + h) * FINISH_PARTS + part)[:, None] * BLOCK_D + d[None, :]
-        acc += tl.sum(tl.load(SUMS + at, mask=(b < B)[:, None], other=0.0), axis=0)
+    for i0 in range(0, B * n_chunks, B_STEP):
+        i = i0 + tl.arange(0, B_STEP)  # batch row i // n_chunks, chunk i % n_chunks
+        share = (tl.cast(i // n_chunks, tl.int64) * H + h) * n_chunks + i % n_chunks
+        at = (share * FINISH_PARTS + part)[:, None] * BLOCK_D + d[None, :]
+        acc += tl.sum(tl.load(SUMS + at, mask=(i < B * n_chunks)[:, None], other=0.0), axis=0)
     return acc
 
 
 @triton.jit
 def _grad_heads_kernel(
-    SUMS, Q, RS, SEGD, DRW, DRR, DRS, DSEG, B, H, scale,
+    SUMS, Q, RS, SEGD, DRW, DRR, DRS, DSEG, B, H, n_chunks, scale,
     SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr,
 ):
-    """The backward's last pass: program h adds ``_grad_finish_kernel``'s SUMS over batch rows and
+    """The backward's last pass: program h adds ``_grad_finish_kernel``'s SUMS over batch rows (and
+    their chunks) and
     writes head h of the bias and segment gradients, each in its parameter's dtype (docs/DESIGN.md
     §3): DRW = scale * SUM_PARTK, DRR = scale * SUM_PART - DRW, and with SEGMENTS (over its own
     segment's keys a row's dS sums to -G) DRS = scale * sum(G) * SEGD (H, HEAD_DIM) and DSEG (2, H,
@@ -266,19 +281,19 @@ def _grad_heads_kernel(
     d = tl.arange(0, BLOCK_D)
     d_in = d < HEAD_DIM
     head = h * HEAD_DIM + d
-    dr_w = _batch_sums(SUMS, h, H, B, SUM_PARTK, d, BLOCK_D, B_STEP) * scale
-    dr_r = _batch_sums(SUMS, h, H, B, SUM_PART, d, BLOCK_D, B_STEP) * scale - dr_w
+    dr_w = _batch_sums(SUMS, h, H, B, n_chunks, SUM_PARTK, d, BLOCK_D, B_STEP) * scale
+    dr_r = _batch_sums(SUMS, h, H, B, n_chunks, SUM_PART, d, BLOCK_D, B_STEP) * scale - dr_w
     tl.store(DRW + head, dr_w.to(DRW.dtype.element_ty), mask=d_in)
     tl.store(DRR + head, dr_r.to(DRR.dtype.element_ty), mask=d_in)
     dr_s = tl.zeros((BLOCK_D,), tl.float32)
     dseg = tl.zeros((BLOCK_D,), tl.float32)
     if SEGMENTS:
-        g_sums = _batch_sums(SUMS, h, H, B, SUM_G, d, BLOCK_D, B_STEP)
+        g_sums = _batch_sums(SUMS, h, H, B, n_chunks, SUM_G, d, BLOCK_D, B_STEP)
         g_all = tl.sum(tl.where(d == 0, g_sums, 0.0), axis=0)
         g_real = tl.sum(tl.where(d == 1, g_sums, 0.0), axis=0)
         r_s = _as_dtype_of(tl.load(RS + head, mask=d_in, other=0.0), Q)
         dr_s = scale * g_all * tl.load(SEGD + head, mask=d_in, other=0.0)
-        dseg = scale * (_batch_sums(SUMS, h, H, B, SUM_GQ, d, BLOCK_D, B_STEP) + g_real * r_s)
+        dseg = scale * (_batch_sums(SUMS, h, H, B, n_chunks, SUM_GQ, d, BLOCK_D, B_STEP) + g_real * r_s)
     tl.store(DRS + head, dr_s.to(DRS.dtype.element_ty), mask=d_in)
     tl.store(DSEG + head, (-dseg).to(DSEG.dtype.element_ty), mask=d_in)
     tl.store(DSEG + H * HEAD_DIM + head, dseg.to(DSEG.dtype.element_ty), mask=d_in)
