@@ -204,13 +204,13 @@ def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     blocks = dict(BLOCK_M=_table_kernels.BLOCK_ROWS, BLOCK_N=_table_kernels.BLOCK_KEYS)
     if a.q_seg is not None:
         first = torch.empty((B, K), dtype=torch.int32, device=device)
-        _launch_table_kernel("_first_ids_kernel", (triton.cdiv(K, blocks["BLOCK_N"]), B),
+        _launch_table_kernel("_first_ids_kernel", (triton.cdiv(K, blocks["BLOCK_M"]), B),
                              dict(KSEG=inputs["KSEG"], FIRST=first),
                              dict(K=K, stride_sb=strides["stride_ksb"], stride_sn=strides["stride_ksn"],
-                                  BLOCK_N=blocks["BLOCK_N"], BLOCK_STEP=blocks["BLOCK_M"]))
+                                  BLOCK_N=blocks["BLOCK_M"], BLOCK_STEP=blocks["BLOCK_N"]))
     n_row_programs = triton.cdiv(M, blocks["BLOCK_M"])
     _launch_table_kernel(
-        "_tables_kernel", (n_row_programs + triton.cdiv(padded, blocks["BLOCK_N"]), B),
+        "_tables_kernel", (n_row_programs + triton.cdiv(padded, blocks["BLOCK_M"]), B),
         dict(inputs, FIRST=first, SORTED=sorted_rows, KEYS=keys),
         dict(strides, M=M, K=K, K_PADDED=padded, qlen=a.qlen, self_rows=a.self_rows, n_row_programs=n_row_programs,
              SEGMENTS=a.q_seg is not None, RANKS=a.q_rank is not None, POSITIONS=a.q_pos is not None,

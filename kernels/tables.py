@@ -13,8 +13,9 @@ builds, per batch row:
   skew's reads hit distinct banks (``ROW_GROUP_ORDERS``).
 
 Every figure is a count over a batch row's keys or rows, so nothing is sorted: a program takes a block
-of rows or keys and loops over the batch row's keys (or rows) in blocks, O(M·K + K² + M²) compares per
-batch row, spread over ``cdiv(M, BLOCK_M) + cdiv(K, BLOCK_N)`` programs. (In PyTorch the same took four
+of BLOCK_ROWS rows or keys and loops over the batch row's keys (or rows) in blocks of BLOCK_KEYS,
+O(M·K + K² + M²) compares per batch row, spread over ``cdiv(M, BLOCK_ROWS) + cdiv(K, BLOCK_ROWS)``
+programs. (In PyTorch the same took four
 sorts and ~75 small ops a call: ~1.5-1.9 ms of host time per call on an H100's host, bench/NOTES.md.)
 Sync-free, so a CUDA graph may capture it.
 """
@@ -36,7 +37,9 @@ RANK_CODE_ONE = tl.constexpr(1 << contract.KEY_RANK_SHIFT)
 
 # Rows or keys a program owns, and keys or rows per step of its counting loops: (32, 128) compares a
 # step, 32 per thread at four warps, in int64 for segment ids and positions (at (64, 128) the
-# segment ids' loops spilled on sm_90: bench/NOTES.md).
+# segment ids' loops spilled on sm_90: bench/NOTES.md). Key programs that owned 128 keys and
+# stepped 32 made the longest loops: at 1x8192 keys, 64 programs of 512 steps (H200: 0.29 ms, the
+# segment-id pass 0.13 ms more; bench/NOTES.md "2026-11-29 (7)").
 BLOCK_ROWS = 32
 BLOCK_KEYS = 128
 # Groups of ROW_GROUP rows a program of the reordering kernel moves.
@@ -80,7 +83,7 @@ ROW_GROUP_ORDERS = _best_row_group_orders()
 @triton.jit
 def _first_ids_kernel(KSEG, FIRST, K, stride_sb, stride_sn, BLOCK_N: tl.constexpr, BLOCK_STEP: tl.constexpr):
     """FIRST (B, K) int32: 1 where key j is the first of its batch row's keys with its segment id (the
-    segment codes count those below an id)."""
+    segment codes count those below an id). BLOCK_N keys a program, compared with BLOCK_STEP a step."""
     b = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ids = tl.load(KSEG + b * stride_sb + j * stride_sn, mask=j < K, other=0)
@@ -118,9 +121,9 @@ def _tables_kernel(
     FREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Programs [0, n_row_programs) write BLOCK_M rows each to SORTED (B, M, ROW_FIELDS), the ROWS
-    table sorted by position before ``_row_groups_kernel`` reorders its groups; the rest BLOCK_N keys
-    each (padding included) to KEYS (B, KEY_FIELDS, K_PADDED). FIRST: ``_first_ids_kernel``'s (with
-    SEGMENTS)."""
+    table sorted by position before ``_row_groups_kernel`` reorders its groups; the rest BLOCK_M keys
+    each (padding included) to KEYS (B, KEY_FIELDS, K_PADDED). Both count over BLOCK_N keys or rows a
+    step. FIRST: ``_first_ids_kernel``'s (with SEGMENTS)."""
     b = tl.program_id(1).to(tl.int64)
     pid = tl.program_id(0)
     if pid < n_row_programs:
@@ -129,7 +132,7 @@ def _tables_kernel(
                     stride_krb, stride_krn, stride_pb, stride_pm, SEGMENTS, RANKS, POSITIONS, PACKED_KEYS, FREE,
                     BLOCK_M, BLOCK_N)
     else:
-        _key_fields(KSEG, FIRST, KRANK, KEYS, b, (pid - n_row_programs) * BLOCK_N + tl.arange(0, BLOCK_N), K,
+        _key_fields(KSEG, FIRST, KRANK, KEYS, b, (pid - n_row_programs) * BLOCK_M + tl.arange(0, BLOCK_M), K,
                     K_PADDED, stride_ksb, stride_ksn, stride_krb, stride_krn, SEGMENTS, RANKS, PACKED_KEYS,
                     BLOCK_M, BLOCK_N)
 
@@ -207,20 +210,21 @@ def _row_fields(QSEG, KSEG, FIRST, QRANK, KRANK, QPOS, SORTED, b, rows, M, K, ql
 def _key_fields(KSEG, FIRST, KRANK, KEYS, b, keys, K, K_PADDED, stride_ksb, stride_ksn, stride_krb, stride_krn,
                 SEGMENTS: tl.constexpr, RANKS: tl.constexpr, PACKED_KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
-    """Batch row ``b``'s ``keys`` (BLOCK_N, the padding keys past K included): counts over its keys."""
+    """Batch row ``b``'s ``keys`` (BLOCK_M, the padding keys past K included): counts over its keys,
+    BLOCK_N a step."""
     key_in = keys < K
     if SEGMENTS:
         k_ids = tl.load(KSEG + b * stride_ksb + keys * stride_ksn, mask=key_in, other=0)
-        seg_code, _ = _ids_below(k_ids, KSEG, FIRST, b, K, stride_ksb, stride_ksn, BLOCK_M)
+        seg_code, _ = _ids_below(k_ids, KSEG, FIRST, b, K, stride_ksb, stride_ksn, BLOCK_N)
     else:
-        seg_code = tl.zeros([BLOCK_N], dtype=tl.int32)
+        seg_code = tl.zeros([BLOCK_M], dtype=tl.int32)
     if RANKS:
         k_rank = tl.load(KRANK + b * stride_krb + keys * stride_krn, mask=key_in, other=0)
     if PACKED_KEYS:
-        rank_below = tl.zeros([BLOCK_N], dtype=tl.int32)
+        rank_below = tl.zeros([BLOCK_M], dtype=tl.int32)
         if RANKS:
-            for n0 in range(0, K, BLOCK_M):
-                others = n0 + tl.arange(0, BLOCK_M)
+            for n0 in range(0, K, BLOCK_N):
+                others = n0 + tl.arange(0, BLOCK_N)
                 other_rank = tl.load(KRANK + b * stride_krb + others * stride_krn, mask=others < K, other=INT32_MAX)
                 below = (other_rank[None, :] < k_rank[:, None]) & (others < K)[None, :]
                 rank_below += tl.sum(below.to(tl.int32), axis=1)
