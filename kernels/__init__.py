@@ -40,10 +40,11 @@ MAX_HEAD_DIM = 128
 # many bytes and at most 1 / STORED_DS_DEVICE_SHARE of the GPU's memory (``_stored_ds_limit``): the dQ
 # kernel (and the deterministic dk_r kernel) then read it instead of recomputing the scores, which
 # costs dQ twice the time per score (bench/NOTES.md, kernel v4 steps 2 and 3; "H100 after the packed
-# key fields"). Larger calls (e.g. 16k tokens: 8.8 GB at 16 heads) recompute. Read when a call
-# shape's plan is made: after changing it, ``clear_launches()`` re-plans the shapes seen. Rows of DS
-# start 16-element aligned.
-STORED_DS_BYTES = 2**33
+# key fields"). 16k tokens at 16 heads (8.8 GB) are kept on a 141 GB H200, recomputed on an 80 GB
+# H100 (at 8 GiB the H200 recomputed them too: dQ 20 ms at 1x16 16384/384, 2x the time per score of
+# 4x16 4096/384, bench/NOTES.md "2026-11-29 (7)"). Read when a call shape's plan is made: after
+# changing it, ``clear_launches()`` re-plans the shapes seen. Rows of DS start 16-element aligned.
+STORED_DS_BYTES = 2**34
 STORED_DS_DEVICE_SHARE = 16
 DS_ROW_ALIGN = 16
 # On these arch families (Hopper) the forward and dQ kernels read their tiles through tensor

@@ -118,11 +118,13 @@ def ds_plans(role: str) -> set:
     return {plan[role]["FROM_DS"] for plan in kernels._STATIC.values() if "gops" in plan}
 
 
-@pytest.mark.parametrize("total_gb, expected", [(24, 24e9 // 16), (80, 80e9 // 16), (141, 2**33)])
+@pytest.mark.parametrize("total_gb, expected", [(24, 24e9 // 16), (80, 80e9 // 16), (150, 150e9 // 16),
+                                                 (300, 2**34)])
 def test_kept_ds_is_bounded_by_a_share_of_the_gpu_memory(total_gb, expected, monkeypatch):
     """dS is kept up to STORED_DS_BYTES and, on a GPU, a sixteenth of its memory: an H100 keeps the
-    2.35 GB of 4x16 4096/384 (its dQ recomputed it at twice the time per score), a 24 GB card keeps
-    less than the 2 GiB it used to. CPU tensors (no device index): the constant alone."""
+    2.35 GB of 4x16 4096/384 (its dQ recomputed it at twice the time per score) but not the 8.8 GB
+    of 1x16 16384/384, which an H200 (139.8 GiB) keeps; a 24 GB card keeps less than the 2 GiB it
+    used to. CPU tensors (no device index): the constant alone."""
     from types import SimpleNamespace
 
     from xlnet_fast import kernels
@@ -134,6 +136,8 @@ def test_kept_ds_is_bounded_by_a_share_of_the_gpu_memory(total_gb, expected, mon
     assert kernels._stored_ds_limit(None) == kernels.STORED_DS_BYTES and asked == [3]
     if total_gb == 80:
         assert 4 * 16 * 4096 * 4480 * 2 <= kernels._stored_ds_limit(0) < 16 * 16384 * 16768 * 2
+    if total_gb == 150:  # an H200's 139.8 GiB
+        assert 16 * 16384 * 16768 * 2 <= kernels._stored_ds_limit(0)
 
 
 def test_deterministic_dk_r_splits_fill_the_gpu_without_an_empty_group(monkeypatch):
