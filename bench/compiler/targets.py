@@ -147,7 +147,9 @@ PREDICTED_CEILINGS: dict = {
         # conflict-free skew reads and the own key compared as a tile column; night: a key's rank and
         # segment code in one field; MODEL R6, TMA's fills counted; 2026-11-28 evening: the position
         # products in bf16); measured (before the bf16 products; before this evening's step; R4's,
-        # before R6):
+        # before R6). sm_90's records made again under R7 (2026-11-29, bench/NOTES.md "2026-11-29
+        # (7)"): forward 2.87 at 64x64w4s2, dK/dV 1.82 at 64x64w4s1, dQ 3.06, dQ recomputing 7.15; the
+        # other archs' records keep R6's predictions:
         (80, 64, "fwd"): 2.31,  # 2.20 (2.33; 2.41 before the packed keys; 2.6; the same)
         (80, 64, "dkdv"): 1.86,  # 1.77 (1.81; 1.87; 1.88)
         (80, 64, "dq"): 2.54,  # 2.42 (the same)
