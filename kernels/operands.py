@@ -270,13 +270,12 @@ def _grad_heads_kernel(
     SUMS, Q, RS, SEGD, DRW, DRR, DRS, DSEG, B, H, n_chunks, scale,
     SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, B_STEP: tl.constexpr,
 ):
-    """The backward's last pass: program h adds ``_grad_finish_kernel``'s SUMS over batch rows (and
-    their chunks) and
-    writes head h of the bias and segment gradients, each in its parameter's dtype (docs/DESIGN.md
-    §3): DRW = scale * SUM_PARTK, DRR = scale * SUM_PART - DRW, and with SEGMENTS (over its own
-    segment's keys a row's dS sums to -G) DRS = scale * sum(G) * SEGD (H, HEAD_DIM) and DSEG (2, H,
-    HEAD_DIM) = -/+ scale * (SUM_GQ + sum of G over real rows * r_s_bias), r_s_bias read from RS in
-    q's dtype (Q: only its dtype is read). Grid (H,)."""
+    """The backward's last pass: program h adds ``_grad_finish_kernel``'s SUMS over batch rows and
+    their chunks and writes head h of the bias and segment gradients, each in its parameter's dtype
+    (docs/DESIGN.md §3): DRW = scale * SUM_PARTK, DRR = scale * SUM_PART - DRW, and with SEGMENTS
+    (over its own segment's keys a row's dS sums to -G) DRS = scale * sum(G) * SEGD (H, HEAD_DIM) and
+    DSEG (2, H, HEAD_DIM) = -/+ scale * (SUM_GQ + sum of G over real rows * r_s_bias), r_s_bias read
+    from RS in q's dtype (Q: only its dtype is read). Grid (H,)."""
     h = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     d_in = d < HEAD_DIM
