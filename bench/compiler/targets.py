@@ -292,9 +292,9 @@ EXPOSED_LOAD_CYCLES = 800  # what a single-stage key loop waits for its tiles' g
 # on both runs, 0.2-0.25 order the most pairs, 0.15 and 0.3 fewer (bench/NOTES.md, "H100 after
 # kernel v4 steps 1-3": the next run tests it out of sample).
 WARPS_EXPONENT = 0.25
-# R7, fitted on the H200's D=64 and first D=128 configs (2026-11-29, bench/NOTES.md "The time model
-# sees one resident block"): a kernel with one block resident per SM waits at each of its barriers
-# (the skew's shared-memory round trip) with no other block to issue, SINGLE_BLOCK_PENALTY slower
+# R7, fitted on the H200's D=64 and first D=128 configs (bench/NOTES.md "2026-11-29 (7)"): a kernel
+# with one block resident per SM waits at each of its barriers (the skew's shared-memory round
+# trip) with no other block to issue, SINGLE_BLOCK_PENALTY slower
 # (0.3-0.5 order the same pairs); a spilled byte costs SPILL_WEIGHT shared-memory bytes (its store
 # and load go through L1, and a miss there to L2). R6 ordered 688 of 797 pairs, R7 729.
 SINGLE_BLOCK_PENALTY = 0.4
