@@ -270,7 +270,7 @@ def kernel_times(inputs: cases.OpCall, provider: str, mode: str, calls: int = 3)
         shown.append({"kernel": f"other kernels ({len(rest)})", "ms_per_call": sum(k["ms_per_call"] for k in rest),
                       "launches_per_call": sum(k["launches_per_call"] for k in rest)})
     return {"kernels": shown, "gpu_ms_per_call": found["gpu_ms_per_call"],
-            "launches_per_call": found["launches_per_call"]}
+            "launches_per_call": found["launches_per_call"], "host_ms_per_call": found["host_ms_per_call"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -114,10 +114,13 @@ def profile_section(records, compact: bool = False) -> list:
     recs = _ok(records, "kernel_profile")
     if not recs:
         return ["No kernel profile (it needs CUDA)."]
-    out = ["GPU time per call from torch.profiler, after a warm-up (ms; launches per call)."]
+    out = ["GPU time per call from torch.profiler, after a warm-up (ms; launches per call); host time: "
+           "the median wall time of a call issued to an idle GPU, to its return (unprofiled)."]
     for r in recs:
         head = (f"{r['provider']} {r['mode']}, D={r['D']} L={r['L']} mlen={r['mlen']} B={r['B']}: "
-                f"{_fmt(r['gpu_ms_per_call'], 3)} ms of GPU time in {r['launches_per_call']:.0f} launches")
+                f"{_fmt(r['gpu_ms_per_call'], 3)} ms of GPU time in {r['launches_per_call']:.0f} launches"
+                # (records before 2026-11-29 have no host time)
+                + (f", {_fmt(r['host_ms_per_call'], 3)} ms of host time" if r.get("host_ms_per_call") else ""))
         if compact:
             out.append(f"- {head}; largest: " + ", ".join(f"{k['kernel'][:40]} {_fmt(k['ms_per_call'], 3)}"
                                                           for k in r["kernels"][:3]))
@@ -252,7 +255,7 @@ def model_section(records) -> list:
             ok = r["status"] == "ok"
             rows.append([case, mode, r.get("n_layer", "–"), r.get("B"), r.get("L"), r.get("mlen"), r.get("num_predict"),
                          prov, f"{r['tokens_per_s']:,.0f}" if ok else "OOM", _fmt(r["ms"] if ok else None, 4),
-                         _fmt(r.get("gpu_ms"), 4), _fmt(r.get("host_waits"), 3),
+                         _fmt(r.get("gpu_ms"), 4), _fmt(r.get("host_ms"), 4), _fmt(r.get("host_waits"), 3),
                          f"{r['peak_mem_mb'] / 1024:.1f}" if r.get("peak_mem_mb") else "–",
                          f"{r['mfu']:.1%}" if r.get("mfu") else "–",
                          _fmt(_ratio(_ms(hf), r["ms"]) if ok else None, 3),
@@ -260,7 +263,7 @@ def model_section(records) -> list:
     if not rows:
         return ["No model-level measurement."]
     return _table(["model", "mode", "layers", "B", "seq", "mem", "targets", "provider", "tokens/s", "ms/step",
-                   "GPU ms/step", "host waits", "peak GiB", "MFU", "speedup vs hf", "memory vs hf"], rows)
+                   "GPU ms/step", "host ms/step", "host waits", "peak GiB", "MFU", "speedup vs hf", "memory vs hf"], rows)
 
 
 def memory_section(records) -> list:

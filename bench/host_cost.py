@@ -141,7 +141,9 @@ def measure(fn, grad: bool, repeats: int, gpu, layers: int) -> dict:
         start = gpu.count()
         with _host_reads() as reads, _CountOps() as counted:
             fn()
-        triton_launches = [launch.kernel for launch in gpu.launches[start:]]
+        triton_launches: dict[str, int] = {}
+        for launch in gpu.launches[start:]:
+            triton_launches[launch.kernel] = triton_launches.get(launch.kernel, 0) + 1
         times, walls = [], []
         for _ in range(repeats):
             begin, wall = time.thread_time_ns(), time.perf_counter_ns()
@@ -150,8 +152,9 @@ def measure(fn, grad: bool, repeats: int, gpu, layers: int) -> dict:
             walls.append((time.perf_counter_ns() - wall) / layers)
     return {"host_us": round(statistics.median(times) / 1e3, 1), "host_us_p10": round(sorted(times)[len(times) // 10] / 1e3, 1),
             "wall_us": round(statistics.median(walls) / 1e3, 1),
-            "launches": (len(triton_launches) + sum(counted.ops.values())) / layers,
-            "triton_launches": triton_launches[:len(triton_launches) // layers],
+            "launches": (sum(triton_launches.values()) + sum(counted.ops.values())) / layers,
+            # per call, by kernel (a step's launches: every layer's forward, then every backward)
+            "triton_launches": {name: n / layers for name, n in triton_launches.items()},
             "torch_ops": {name: n / layers for name, n in counted.ops.items()},
             "host_reads": {name: n / layers for name, n in reads.items()}}
 
@@ -220,8 +223,8 @@ def main(argv=None) -> int:
                                 "arch": args.arch, "tensors": args.device, "dropout_p": 0.1, "segments": True,
                                 **result, **runner.environment(), "cpu": _cpu_name()})
                 print(f"{masks:>8} {name:>7}: {result['host_us']:8.1f} µs host (median; 10th percentile "
-                      f"{result['host_us_p10']:.1f}), {result['launches']} launches ({len(result['triton_launches'])} "
-                      f"triton), host reads {result['host_reads'] or 'none'}", flush=True)
+                      f"{result['host_us_p10']:.1f}), {result['launches']} launches "
+                      f"({sum(result['triton_launches'].values()):g} triton), host reads {result['host_reads'] or 'none'}", flush=True)
     runner.write_records(args, RECORDS, records)
     return 0
 

@@ -196,13 +196,14 @@ def measure(mode: str, provider: str, case: cases.ModelCase, model, batch: dict,
           + ("OOM" if not ok else f"{ms:9.1f} ms {tps:10,.0f} tokens/s")
           + (f" peak {peak:,.0f} MiB" if peak is not None else "") + (f" MFU {mfu:.1%}" if mfu else "")
           + (f" GPU {profiled['gpu_ms_per_call']:.1f} ms in {profiled['launches_per_call']:,.0f} launches, "
-             f"{profiled['host_waits_per_call']} host waits" if profiled else ""), flush=True)
+             f"{profiled['host_waits_per_call']} host waits, host {profiled['host_ms_per_call']:.1f} ms"
+             if profiled else ""), flush=True)
     return {"op": "model_step", "status": "ok" if ok else "oom", "mode": mode, "provider": provider,
             "dtype": "bf16" if device == "cuda" else "fp32", "config": case.size, "n_layer": dims["n_layer"], "B": B,
             "H": dims["n_head"], "L": case.seq, "mlen": mlen, "num_predict": case.predict if mode == "train" else 0,
             "ms": ms, "tokens_per_s": tps, "peak_mem_mb": peak, "mfu": mfu,
             "gpu_ms": profiled.get("gpu_ms_per_call"), "launches": profiled.get("launches_per_call"),
-            "host_waits": profiled.get("host_waits_per_call")}
+            "host_waits": profiled.get("host_waits_per_call"), "host_ms": profiled.get("host_ms_per_call")}
 
 
 def measure_provider(provider: str, case: cases.ModelCase, source, batches: dict, device: str, repeats: int,

@@ -212,13 +212,18 @@ class PeakMemory:
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
+HOST_TIMED_CALLS = 5  # gpu_profile's calls timed on the host alone
+
+
 def gpu_profile(step: Callable, calls: int = 1) -> dict:
     """Where ``step``'s time goes on CUDA (``torch.profiler`` over ``calls`` calls after one warm-up):
     ``kernels`` ([{kernel, ms_per_call, launches_per_call}], the largest first), ``gpu_ms_per_call``
     (the kernels' GPU time: against the wall time, how much of it the GPU was busy),
-    ``launches_per_call`` and ``host_waits_per_call`` (``HOST_WAITS`` calls; the profile's own
+    ``launches_per_call``, ``host_waits_per_call`` (``HOST_WAITS`` calls; the profile's own
     closing synchronize not counted; None when the profiler recorded no runtime call, not even that
-    one)."""
+    one) and ``host_ms_per_call``: the median wall time of ``HOST_TIMED_CALLS`` unprofiled calls, each
+    from an idle GPU to its return, before the closing synchronize (what the host spends issuing it;
+    a step timed at about this is bound by the host, not by its kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -236,9 +241,16 @@ def gpu_profile(step: Callable, calls: int = 1) -> dict:
         elif event.key in HOST_WAITS:
             waits += event.count
     kernels.sort(key=lambda k: -k["ms_per_call"])
+    issue_times = []
+    for _ in range(HOST_TIMED_CALLS):
+        begin = time.perf_counter()
+        step()
+        issue_times.append(time.perf_counter() - begin)
+        torch.cuda.synchronize()
     return {"kernels": kernels, "gpu_ms_per_call": sum(k["ms_per_call"] for k in kernels),
             "launches_per_call": sum(k["launches_per_call"] for k in kernels),
-            "host_waits_per_call": waits / calls if waits >= 0 else None}
+            "host_waits_per_call": waits / calls if waits >= 0 else None,
+            "host_ms_per_call": statistics.median(issue_times) * 1e3}
 
 
 @contextlib.contextmanager

@@ -424,7 +424,7 @@ def _gpu_like_records():
         attn("hf", "fwd", 8.0), attn("flex", "fwd", "OOM", status="oom"),
         step("xlnet_fast", 100.0, 40960.0, 10240.0), step("hf", 300.0, 13653.0, 20480.0),
         {**step("native-compiled", 50.0, 81920.0, 10240.0), "step": "model_step", "op": "model_step",
-         "mode": "train", "gpu_ms": 45.5, "launches": 2000.0, "host_waits": 0.0},
+         "mode": "train", "gpu_ms": 45.5, "launches": 2000.0, "host_waits": 0.0, "host_ms": 38.25},
     ]
 
 
@@ -449,9 +449,9 @@ def test_report_prints_the_summary_and_the_readme_tables(tmp_path, capsys):
     assert "| 32×16 | 512 | 384 | 64 | fwd+bwd | 2 | 1.5 | 6 | 30 | 1.33 | 15 |" in readme
     assert "| 8×12 | 512 | 384 | 64 | fwd+bwd | 1 | 0.75 | – | – | 1.33 | – |" in readme
     # the older bench.pretrain_step's records read as training steps (its xlnet_fast is today's native)
-    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | – | – | 10.0 | – | 3 | 0.5 |" in readme
-    # a model step profiled on the GPU: its kernels' time and the host's waits beside the wall time
-    assert "| native-compiled | 81,920 | 50 | 45.5 | 0 | 10.0 | – | 6 | 0.5 |" in readme
+    assert "| base | train | 12 | 8 | 512 | 384 | 85 | native | 40,960 | 100 | – | – | – | 10.0 | – | 3 | 0.5 |" in readme
+    # a model step profiled on the GPU: its kernels' time, the host's time and waits beside the wall time
+    assert "| native-compiled | 81,920 | 50 | 45.5 | 38.25 | 0 | 10.0 | – | 6 | 0.5 |" in readme
     assert sorted(p.name for p in out.iterdir()) == ["attention.png", "model_step.png", "summary.md"]
     assert campaign.main(["--report", str(path), "--out", str(out)]) == 2  # never over another report
     assert campaign.main(["--report", str(tmp_path / "missing.jsonl")]) == 2
@@ -468,13 +468,17 @@ def test_the_kernel_profile_is_reported_per_provider():
     call, the largest first, in the summary (all of them) and in what the campaign prints last (three)."""
     record = {"run": "r", "step": "sweep", "t": 1.0, "device": "x", "op": "kernel_profile", "status": "ok",
               "provider": "xlnet_fast", "mode": "fwd_bwd", "D": 64, "L": 512, "mlen": 384, "B": 32,
-              "gpu_ms_per_call": 6.17, "launches_per_call": 60,
+              "gpu_ms_per_call": 6.17, "launches_per_call": 60, "host_ms_per_call": 1.234,
               "kernels": [{"kernel": "_bwd_q_kernel", "ms_per_call": 1.653, "launches_per_call": 1},
                           {"kernel": "_bwd_kv_kernel", "ms_per_call": 1.239, "launches_per_call": 2},
                           {"kernel": "_fwd_kernel", "ms_per_call": 0.878, "launches_per_call": 1},
                           {"kernel": "other kernels (40)", "ms_per_call": 2.4, "launches_per_call": 56}]}
     full = campaign_report.summary_markdown([record])
-    assert "xlnet_fast fwd_bwd, D=64 L=512 mlen=384 B=32: 6.17 ms of GPU time in 60 launches" in full
+    assert ("xlnet_fast fwd_bwd, D=64 L=512 mlen=384 B=32: 6.17 ms of GPU time in 60 launches, 1.23 ms of host "
+            "time") in full
+    # a record from before the host time was measured: none claimed
+    older = campaign_report.summary_markdown([{k: v for k, v in record.items() if k != "host_ms_per_call"}])
+    assert "in 60 launches\n" in older and "ms of host time" not in older
     assert "| _bwd_kv_kernel | 1.24 | 2 |" in full and "| other kernels (40) | 2.4 | 56 |" in full
     compact = campaign_report.summary_markdown([record], compact=True)
     assert "largest: _bwd_q_kernel 1.65, _bwd_kv_kernel 1.24, _fwd_kernel 0.878" in compact
