@@ -456,7 +456,8 @@ def _static_args(shape: _Shape) -> dict:
     static["rows_past_int32"] = any(_rows_past_int32(g) for g in (shape.k, shape.v, shape.k_r))
     if shape.grads is not None:
         dout, dout_g = shape.grads[0], shape.grads[1] or shape.grads[0]
-        static["gops"] = dict(rows, keep_scale=_keep_scale(shape.dropout_p), n_clear=Br * dkr_rows * H * D,
+        static["gops"] = dict(rows, BLOCK_M=_operands.grad_rows_per_program(block_d), qk_scale=shape.scale * LOG2E, keep_scale=_keep_scale(shape.dropout_p),
+                              n_clear=Br * dkr_rows * H * D, **_strides("q", shape.q[4:]), **_strides("qg", q_g),
                               **_strides("g", dout[4:]),
                               **_strides("h", dout_g[4:]), **_strides("o", out_strides))
         static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
@@ -669,23 +670,23 @@ def _smallest_tile(name: str) -> int:
     return min(_tile_sizes(name))
 
 
-def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, static) -> dict:
+def _query_operands(q, q_g, r_w_bias, r_r_bias, a, rows, static) -> tuple[dict, dict]:
     """The query side every kernel reads, per row in the kernels' order (by position), computed
-    once here rather than per tile (``operands._query_operands_kernel``, one pass over q and q_g):
-    ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR`` likewise with ``r_r_bias`` as (B, H, M, D)
-    in the dot dtype, and ``E`` (B, H, M, E_FIELDS) fp32, the segment scores: ``(q + r_s_bias) *
-    scale * log2(e)`` dotted with ``seg_embed[0]`` and with ``seg_embed[1] - seg_embed[0]``."""
+    once per call rather than per tile: ``QW = (q + r_w_bias) * scale * log2(e)`` and ``QR``
+    likewise with ``r_r_bias`` as (B, H, M, D) in the dot dtype, and ``E`` (B, H, M, E_FIELDS) fp32,
+    the segment scores: ``(q + r_s_bias) * scale * log2(e)`` dotted with ``seg_embed[0]`` and with
+    ``seg_embed[1] - seg_embed[0]``. Returns them unwritten, and the tensors of the pass that writes
+    them (one over q and q_g: the forward's ``operands._query_operands_kernel``, the backward's
+    ``_grad_operands_kernel``)."""
     sz = static["sizes"]
     B, M, H, D = sz["B"], sz["M"], sz["H"], sz["D"]
     qw = torch.empty((B, H, M, D), dtype=_dot_torch_dtype(q.dtype), device=q.device)
     qr = torch.empty((B, H, M, D), dtype=qw.dtype, device=q.device)
     e = torch.empty((B, H, M, E_FIELDS), dtype=torch.float32, device=q.device)
     segments = a.seg_embed is not None
-    _run("qops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static,
-         dict(Q=q, Q_G=q_g if q_g is not None else q, ROWS=rows, RW=r_w_bias, RR=r_r_bias,
-              RS=a.r_s_bias if segments else r_w_bias, SEG=a.seg_embed if segments else r_w_bias, QW=qw, QR=qr, E=e),
-         False)
-    return dict(QW=qw, QR=qr, E=e)
+    operands = dict(QW=qw, QR=qr, E=e)
+    return operands, dict(operands, Q=q, Q_G=q_g if q_g is not None else q, ROWS=rows, RW=r_w_bias, RR=r_r_bias,
+                          RS=a.r_s_bias if segments else r_w_bias, SEG=a.seg_embed if segments else r_w_bias)
 
 
 def _contiguous_biases(r_w_bias, r_r_bias, a):
@@ -725,7 +726,8 @@ def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     rows, keys = _tables(a, B, M, sz["K"], q.device)
     out = torch.empty((B, M, H, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, M), dtype=torch.float32, device=q.device)
-    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
+    q_ops, q_pass = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
+    _run("qops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static, q_pass, False)
     _run("fwd", lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), B * H), static,
          dict(_attention_tensors(q_ops, rows, keys, k, v, k_r, mask, a), OUT=out, LSE=lse),
          torch.are_deterministic_algorithms_enabled())
@@ -784,7 +786,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     B, L, M, H, D, K, Br, R = (sz[n] for n in ("B", "L", "M", "H", "D", "K", "Br", "R"))
     segments = a.seg_embed is not None
     rows, keys = _tables(a, B, M, K, q.device)
-    q_ops = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
+    q_ops, q_pass = _query_operands(q, a.q_g, r_w_bias, r_r_bias, a, rows, static)
     device = q.device
     # the backward's row operands (and seg_embed[1] - seg_embed[0] for the dQ kernel)
     grad_io = dict(DO=torch.empty((B, H, M, D), dtype=q_ops["QW"].dtype, device=device),
@@ -796,9 +798,10 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     unused = torch.empty(1, dtype=torch.float32, device=device)
     seg_delta = torch.empty((H, D), dtype=torch.float32, device=device) if segments else unused
     dkr_sums = _dkr_buffer(Br, R, a.qlen, K, H, D, device)
-    _run("gops", (triton.cdiv(M, _operands.ROWS_PER_PROGRAM), B * H), static,
-         dict(DOUT=dout, DOUT_G=dout_g if dout_g is not None else dout, OUT=out, LSE=lse, ROWS=rows, E=q_ops["E"],
-              SEG=a.seg_embed if segments else r_w_bias, SEGD=seg_delta, DKR_SUMS=dkr_sums, **grad_io), False)
+    # the query operands again (not kept by the forward), in the same pass
+    _run("gops", (triton.cdiv(M, static["gops"]["BLOCK_M"]), B * H), static,
+         dict(q_pass, DOUT=dout, DOUT_G=dout_g if dout_g is not None else dout, OUT=out, LSE=lse, SEGD=seg_delta,
+              DKR_SUMS=dkr_sums, **grad_io), False)
     dq = torch.empty((B, M, H, D), dtype=q.dtype, device=device)
     dk = torch.empty((B, K, H, D), dtype=k.dtype, device=device)
     dv = torch.empty((B, K, H, D), dtype=v.dtype, device=device)

@@ -2,7 +2,8 @@
 
 The attention kernels (``rel_attention.py``) read the query side and, in the backward, dO in their
 own row order (``ROWS``: sorted by position) and head-major layout, pre-biased and pre-scaled. The
-first two kernels here write those operands, one pass over q (or dO and O) each; in PyTorch the same
+first two kernels here write those operands, one pass over the rows each: the forward's over q, the
+backward's over q, dO and O (its query operands again, which the forward does not keep); in PyTorch the same
 took a dozen passes through fp32 intermediates (the first GPU run measured 0.8 ms of such work per
 forward at qlen 512, B=32: bench/NOTES.md). The last two turn the backward's partial sums into the
 gradients of k_r, the biases and seg_embed: the first per batch row and head, the second adding the
@@ -23,6 +24,12 @@ from .rel_attention import E_DELTA, E_FIELDS, E_SAME, INT32_MIN, LOG2E, ROW_FIEL
 
 # Rows per program: a (ROWS_PER_PROGRAM, BLOCK_D) tile, enough to keep a few loads in flight.
 ROWS_PER_PROGRAM = 32
+
+
+def grad_rows_per_program(block_d: int) -> int:
+    """Rows per program of ``_grad_operands_kernel``, which holds q's, dO's and O's tiles: half of
+    ROWS_PER_PROGRAM past BLOCK_D = 64 (sm_120 spilled 16 B at D=128 with 32 rows)."""
+    return ROWS_PER_PROGRAM if block_d <= 64 else ROWS_PER_PROGRAM // 2
 # The finishing kernel: elements of dk_r per converting program, and per step of a (batch row,
 # head)'s sums (rows of BLOCK_D: 32 at D=64, 16 at D=128; 64 rows spilled 12 B at sm_120 without
 # segments, when one program summed a head's every batch row, and 32 at sm_90 with segments once the
@@ -80,24 +87,12 @@ def _as_dtype_of(x, LIKE):
 
 
 @triton.jit
-def _query_operands_kernel(
-    Q, Q_G, ROWS, RW, RR, RS, SEG, QW, QR, E,
-    stride_qb, stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd,
-    M, L, H, qk_scale,
-    SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """QW, QR (B, H, M, HEAD_DIM) in the dot dtype and E (B, H, M, E_FIELDS) fp32, rows in ROWS
-    order: ``(q + r_w_bias) * qk_scale``, the same with ``r_r_bias``, and the segment scores
-    ``(q + r_s_bias) * qk_scale`` dotted with ``seg_embed[0]`` and ``seg_embed[1] - seg_embed[0]``
-    (zeros without SEGMENTS); a padding row's q counts as zero.
-
-    Q (B, L, H, HEAD_DIM) and Q_G (B, M - L, H, HEAD_DIM), any strides, the caller's rows; RW, RR,
-    RS (H, HEAD_DIM) and SEG (2, H, HEAD_DIM) contiguous. Grid (cdiv(M, BLOCK_M), B * H)."""
-    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = (pid_bh // H).to(tl.int64), pid_bh % H
-    rows, row_in, src, real = _rows_of_program(ROWS, pid_m, b, M, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_in = d < HEAD_DIM
+def _write_query_operands(Q, Q_G, RW, RR, RS, SEG, QW, QR, E, b, h, pid_bh, rows, row_in, src, real, d, d_in,
+                          M, L, H, qk_scale, stride_qb, stride_qm, stride_qh, stride_qd,
+                          stride_gb, stride_gm, stride_gh, stride_gd,
+                          SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program's rows of QW, QR and E (``_query_operands_kernel``); returns their E_SAME field,
+    (BLOCK_M,) fp32."""
     q = _load_caller_rows(Q, Q_G, b, src, h, d, L, real[:, None] & d_in[None, :], stride_qb, stride_qm, stride_qh,
                           stride_qd, stride_gb, stride_gm, stride_gh, stride_gd)
     head = h * HEAD_DIM + d
@@ -119,6 +114,30 @@ def _query_operands_kernel(
         e_delta = tl.sum(q_s * (seg_other - seg_same)[None, :], axis=1)
     tl.store(E + out_rows * E_FIELDS + E_SAME, e_same, mask=row_in)
     tl.store(E + out_rows * E_FIELDS + E_DELTA, e_delta, mask=row_in)
+    return e_same
+
+
+@triton.jit
+def _query_operands_kernel(
+    Q, Q_G, ROWS, RW, RR, RS, SEG, QW, QR, E,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_gb, stride_gm, stride_gh, stride_gd,
+    M, L, H, qk_scale,
+    SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """QW, QR (B, H, M, HEAD_DIM) in the dot dtype and E (B, H, M, E_FIELDS) fp32, rows in ROWS
+    order: ``(q + r_w_bias) * qk_scale``, the same with ``r_r_bias``, and the segment scores
+    ``(q + r_s_bias) * qk_scale`` dotted with ``seg_embed[0]`` and ``seg_embed[1] - seg_embed[0]``
+    (zeros without SEGMENTS); a padding row's q counts as zero.
+
+    Q (B, L, H, HEAD_DIM) and Q_G (B, M - L, H, HEAD_DIM), any strides, the caller's rows; RW, RR,
+    RS (H, HEAD_DIM) and SEG (2, H, HEAD_DIM) contiguous. Grid (cdiv(M, BLOCK_M), B * H)."""
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = (pid_bh // H).to(tl.int64), pid_bh % H
+    rows, row_in, src, real = _rows_of_program(ROWS, pid_m, b, M, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    _write_query_operands(Q, Q_G, RW, RR, RS, SEG, QW, QR, E, b, h, pid_bh, rows, row_in, src, real, d,
+                          d < HEAD_DIM, M, L, H, qk_scale, stride_qb, stride_qm, stride_qh, stride_qd,
+                          stride_gb, stride_gm, stride_gh, stride_gd, SEGMENTS, HEAD_DIM, BLOCK_M)
 
 
 @triton.jit
@@ -134,13 +153,16 @@ def _clear_share(X, n, program, n_programs, BLOCK: tl.constexpr):
 
 @triton.jit
 def _grad_operands_kernel(
-    DOUT, DOUT_G, OUT, LSE, ROWS, E, SEG, DO, LSE2, DELTA, SEGD, DKR_SUMS,
+    Q, Q_G, RW, RR, RS, DOUT, DOUT_G, OUT, LSE, ROWS, SEG, QW, QR, E, DO, LSE2, DELTA, SEGD, DKR_SUMS,
+    stride_qb, stride_qm, stride_qh, stride_qd, stride_qgb, stride_qgm, stride_qgh, stride_qgd,
     stride_gb, stride_gm, stride_gh, stride_gd, stride_hb, stride_hm, stride_hh, stride_hd,
     stride_ob, stride_om, stride_oh, stride_od,
-    M, L, H, keep_scale, n_clear,
+    M, L, H, qk_scale, keep_scale, n_clear,
     SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """The backward's row operands in ROWS order: DO (B, H, M, HEAD_DIM) in the dot dtype, dO times
+    """The backward's row operands in ROWS order, in the pass that writes its query operands QW, QR
+    and E as ``_query_operands_kernel`` does (Q, Q_G, RW, RR, RS, SEG and their strides as there:
+    one launch for both, the backward's first): DO (B, H, M, HEAD_DIM) in the dot dtype, dO times
     the dropout keep scale; DELTA (B, H, M) fp32, rowsum(dO * O); LSE2 (B, H, M) fp32, the forward's
     log-sum-exp in base 2 less the same-segment score E[..., E_SAME] that the recomputed scores
     leave out. With SEGMENTS, the first program of each head also writes SEGD (H, HEAD_DIM) fp32,
@@ -154,9 +176,12 @@ def _grad_operands_kernel(
     _clear_share(DKR_SUMS, n_clear, pid_bh * tl.num_programs(0) + pid_m, tl.num_programs(0) * tl.num_programs(1),
                  BLOCK_M * BLOCK_D)
     b, h = (pid_bh // H).to(tl.int64), pid_bh % H
-    rows, row_in, src, _ = _rows_of_program(ROWS, pid_m, b, M, BLOCK_M)
+    rows, row_in, src, real = _rows_of_program(ROWS, pid_m, b, M, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_in = d < HEAD_DIM
+    e_same = _write_query_operands(Q, Q_G, RW, RR, RS, SEG, QW, QR, E, b, h, pid_bh, rows, row_in, src, real, d, d_in,
+                                   M, L, H, qk_scale, stride_qb, stride_qm, stride_qh, stride_qd,
+                                   stride_qgb, stride_qgm, stride_qgh, stride_qgd, SEGMENTS, HEAD_DIM, BLOCK_M)
     in_mask = row_in[:, None] & d_in[None, :]
     dout = _load_caller_rows(DOUT, DOUT_G, b, src, h, d, L, in_mask, stride_gb, stride_gm, stride_gh, stride_gd,
                              stride_hb, stride_hm, stride_hh, stride_hd)
@@ -167,7 +192,6 @@ def _grad_operands_kernel(
     tl.store(DO + (out_rows * HEAD_DIM)[:, None] + d[None, :], (dout * keep_scale).to(DO.dtype.element_ty),
              mask=in_mask)
     lse = tl.load(LSE + pid_bh.to(tl.int64) * M + src, mask=row_in, other=0.0)
-    e_same = tl.load(E + out_rows * E_FIELDS + E_SAME, mask=row_in, other=0.0)
     tl.store(LSE2 + out_rows, lse * LOG2E - e_same, mask=row_in)
     if SEGMENTS:
         if (pid_m == 0) & (b == 0):
