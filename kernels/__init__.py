@@ -166,6 +166,20 @@ def _plan(q, k, v, k_r, r_w_bias, r_r_bias, a, mask, grads=None) -> tuple:
     return k, v, k_r, shape, plan
 
 
+def _device_guard(device) -> contextlib.AbstractContextManager:
+    """What a call's launches run under. Triton launches on its driver's current device (that
+    device's stream, its loaded binaries, the descriptors' scratch from ``_scratch``), not on the
+    tensors': a call on another GPU's tensors (e.g. a layer of a model that transformers'
+    ``device_map`` placed on cuda:1 while cuda:0 stays current) makes their device current for its
+    launches, as FlashAttention's device guard does, and the previous one current again after."""
+    device = torch.device(device)
+    if INTERPRETED or device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 # --------------------------------------------------------------------------------------------------
 # The mask tables (built once per set of masks: docs/DESIGN.md §5.6)
 # --------------------------------------------------------------------------------------------------
@@ -190,6 +204,11 @@ def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     ``q_pos``, ``qlen``, ``self_rows``; with ``attn_mask`` every key tile is tested): built once per
     set of masks and reused by every call that has them (the model's layers, forward and backward),
     in two launches, three with segments (``tables.py``). No host sync."""
+    with _device_guard(device):
+        return _mask_tables(a, B, M, K, device)
+
+
+def _mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     padded = triton.cdiv(K, KEY_PAD) * KEY_PAD
     rows = torch.empty((B, M, ROW_FIELDS), dtype=torch.int32, device=device)
     keys = torch.empty((B, KEY_FIELDS, padded), dtype=torch.int32, device=device)
@@ -714,6 +733,11 @@ def _scoreless(q, a) -> bool:
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. ``q`` holds the caller's rows [0, L) and ``a.q_g`` (when given) the rest.
     Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
+    with _device_guard(q.device):
+        return _forward(q, k, v, k_r, r_w_bias, r_r_bias, a)
+
+
+def _forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     if _scoreless(q, a):
         B, L, H, D = q.shape
         M = L + (a.q_g.shape[1] if a.q_g is not None else 0)
@@ -771,6 +795,11 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    with _device_guard(q.device):
+        return _backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g, deterministic)
+
+
+def _backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g, deterministic: bool):
     if _scoreless(q, a):
         B, L, H, D = q.shape
         M = L + (a.q_g.shape[1] if a.q_g is not None else 0)
@@ -872,8 +901,9 @@ def dropout_mask(seed, B: int, H: int, M: int, K: int, dropout_p: float, device,
     keep = torch.empty((B * H, M, K), dtype=torch.uint8, device=device)
     tile = block or (16 if INTERPRETED else 64)
     seed = torch.as_tensor(seed, dtype=torch.int64).to(device)
-    _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
-        keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
+    with _device_guard(keep.device):
+        _k._dropout_mask_kernel[(triton.cdiv(M, tile), triton.cdiv(K, tile), B * H)](
+            keep, seed, dropout_threshold(dropout_p), M, K, BLOCK_M=tile, BLOCK_N=tile)
     keep = keep.view(B, H, M, K).bool()
     if record is not None:
         caller = _tables(record, B, M, K, device)[0][..., ROW_SRC].long()  # (B, M)

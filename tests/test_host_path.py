@@ -105,6 +105,73 @@ def test_a_layer_call_makes_at_most_4_launches_forward_and_9_with_backward(gpu_l
     assert gpu_like == ["gops", "dkdv", "fixup", "dq", "finish", "heads"] and ops.ops == {}, (gpu_like, ops.ops)
 
 
+def test_a_call_on_another_gpus_tensors_launches_with_that_gpu_current(monkeypatch):
+    """Triton launches on its driver's current device, not on the tensors': a call on cuda:1's
+    tensors while cuda:0 is current (transformers' ``device_map`` spreads a model's layers over GPUs
+    and leaves cuda:0 current) launched on cuda:0 with cuda:1's pointers. The launcher makes the
+    call's device current around its launches (``kernels._device_guard``, torch's device context
+    stubbed here: no GPU), and nothing where it is current already or the tensors are not CUDA's."""
+    from xlnet_fast import kernels
+
+    entered = []
+
+    class DeviceContext:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(("enter", self.index))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.index))
+
+    monkeypatch.setattr(kernels, "INTERPRETED", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", DeviceContext)
+    with kernels._device_guard(torch.device("cuda", 1)):
+        entered.append("launch")
+    assert entered == [("enter", 1), "launch", ("exit", 1)]
+    for device in (torch.device("cuda", 0), "cuda:0", torch.device("cpu"), torch.device("meta")):
+        with kernels._device_guard(device):
+            pass
+    assert entered == [("enter", 1), "launch", ("exit", 1)]
+
+
+def test_every_launch_of_a_call_runs_under_its_device_guard(monkeypatch):
+    """The tables, the forward's and the backward's launches each run inside ``_device_guard`` of
+    the call's device (a launch outside it would go to whichever GPU is current)."""
+    from xlnet_fast import kernels
+
+    guarded, launched = [], []
+
+    @contextlib.contextmanager
+    def guard(device):
+        guarded.append(torch.device(device))
+        launched.append("guard on")
+        yield
+        launched.append("guard off")
+
+    def run(role, grid, plan, tensors, deterministic, config=None):
+        launched.append(role)
+        return kernels._k.INTERPRETER_TILES
+
+    def table_launch(name, grid, tensors, scalars):
+        launched.append(name)
+
+    monkeypatch.setattr(kernels, "_device_guard", guard)
+    monkeypatch.setattr(kernels, "_run", run)
+    monkeypatch.setattr(kernels, "_launch_table_kernel", table_launch)
+    call, leaves, upstream = layer_call()  # the tables: prepared here
+    torch.autograd.grad(call(), leaves, upstream)
+    assert guarded == [torch.device("cpu")] * 3  # the tables, the forward, the backward
+    # every launch between a guard's entry and its exit
+    depth = 0
+    for event in launched:
+        depth += {"guard on": 1, "guard off": -1}.get(event, 0)
+        assert depth == 1 or event == "guard off", launched
+    assert launched.count("guard on") == 3 and "_tables_kernel" in launched and "dq" in launched
+
+
 def test_prepared_masks_build_nothing_per_call(gpu_like):
     """Every table the kernels read comes prepared: a call makes no PyTorch op on the masks (the
     tables' build was 41 small kernels per layer, forward and again backward)."""
