@@ -475,9 +475,9 @@ def _static_args(shape: _Shape) -> dict:
     static["rows_past_int32"] = any(_rows_past_int32(g) for g in (shape.k, shape.v, shape.k_r))
     if shape.grads is not None:
         dout, dout_g = shape.grads[0], shape.grads[1] or shape.grads[0]
-        static["gops"] = dict(rows, BLOCK_M=_operands.grad_rows_per_program(block_d), qk_scale=shape.scale * LOG2E, keep_scale=_keep_scale(shape.dropout_p),
-                              n_clear=Br * dkr_rows * H * D, **_strides("q", shape.q[4:]), **_strides("qg", q_g),
-                              **_strides("g", dout[4:]),
+        static["gops"] = dict(rows, BLOCK_M=_operands.grad_rows_per_program(block_d), qk_scale=shape.scale * LOG2E,
+                              keep_scale=_keep_scale(shape.dropout_p), n_clear=Br * dkr_rows * H * D,
+                              **_strides("q", shape.q[4:]), **_strides("qg", q_g), **_strides("g", dout[4:]),
                               **_strides("h", dout_g[4:]), **_strides("o", out_strides))
         static["dq"]["DKR_ATOMIC"] = not shape.grads[3]
         # dS kept for the dQ and dk_r kernels when small enough (the FIX_UP launch stores none); else

@@ -2,10 +2,10 @@
 
 The attention kernels (``rel_attention.py``) read the query side and, in the backward, dO in their
 own row order (``ROWS``: sorted by position) and head-major layout, pre-biased and pre-scaled. The
-first two kernels here write those operands, one pass over the rows each: the forward's over q, the
-backward's over q, dO and O (its query operands again, which the forward does not keep); in PyTorch the same
-took a dozen passes through fp32 intermediates (the first GPU run measured 0.8 ms of such work per
-forward at qlen 512, B=32: bench/NOTES.md). The last two turn the backward's partial sums into the
+first two kernels here write those operands, one pass over the rows each: the forward's over q,
+the backward's over q, dO and O (its query operands again: the forward does not keep them); in
+PyTorch the same took a dozen passes through fp32 intermediates (the first GPU run measured 0.8 ms
+of such work per forward at qlen 512, B=32: bench/NOTES.md). The last two turn the backward's partial sums into the
 gradients of k_r, the biases and seg_embed: the first per batch row and head, the second adding the
 batch rows per head (in PyTorch: some thirty small kernels).
 
@@ -24,12 +24,6 @@ from .rel_attention import E_DELTA, E_FIELDS, E_SAME, INT32_MIN, LOG2E, ROW_FIEL
 
 # Rows per program: a (ROWS_PER_PROGRAM, BLOCK_D) tile, enough to keep a few loads in flight.
 ROWS_PER_PROGRAM = 32
-
-
-def grad_rows_per_program(block_d: int) -> int:
-    """Rows per program of ``_grad_operands_kernel``, which holds q's, dO's and O's tiles: half of
-    ROWS_PER_PROGRAM past BLOCK_D = 64 (sm_120 spilled 16 B at D=128 with 32 rows)."""
-    return ROWS_PER_PROGRAM if block_d <= 64 else ROWS_PER_PROGRAM // 2
 # The finishing kernel: elements of dk_r per converting program, and per step of a (batch row,
 # head)'s sums (rows of BLOCK_D: 32 at D=64, 16 at D=128; 64 rows spilled 12 B at sm_120 without
 # segments, when one program summed a head's every batch row, and 32 at sm_90 with segments once the
@@ -45,6 +39,12 @@ FINISH_CHUNK_ROWS = 128
 SUM_PARTK, SUM_PART, SUM_GQ, SUM_G = (tl.constexpr(i) for i in range(4))
 FINISH_PARTS = tl.constexpr(4)
 HEADS_B_STEP = 32
+
+
+def grad_rows_per_program(block_d: int) -> int:
+    """Rows per program of ``_grad_operands_kernel``, which holds q's, dO's and O's tiles: half of
+    ROWS_PER_PROGRAM past BLOCK_D = 64 (sm_120 spilled 16 B at D=128 with 32 rows, triton 3.6)."""
+    return ROWS_PER_PROGRAM if block_d <= 64 else ROWS_PER_PROGRAM // 2
 
 
 @triton.jit
