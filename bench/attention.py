@@ -10,7 +10,9 @@ with ``torch.use_deterministic_algorithms(True)``: dk_r by a kernel that owns ea
 atomics; forward+backward only), ``xlnet_fast_prepared`` (the same op with its masks prepared
 once outside the timed call, ``masks=``, as a model's layers call it: ``xlnet_fast`` prepares them
 in every call), ``xlnet_fast_pointers`` (``xlnet_fast_prepared`` with every tile read through
-pointers, as on GPUs other than Hopper: against it, what the tensor descriptors bring), ``eager`` (the
+pointers, as on GPUs other than Hopper: against it, what the tensor descriptors bring),
+``xlnet_fast_addresses`` (``xlnet_fast_prepared`` with its bound launches passing tensor arguments as
+addresses, ``kernels.launch.addresses``: against it, the launcher's per-argument checks), ``eager`` (the
 op, eager backend), ``hf`` (transformers'
 ``XLNetRelativeAttention.rel_attn_core`` with the equivalent dense float mask, as HF builds it),
 ``flex`` (PyTorch FlexAttention as a user writes XLNet attention with it: ``bd = (q + r_r_bias) @ k_rᵀ``
@@ -42,12 +44,12 @@ from bench import cases, runner
 from xlnet_fast.kernel_contract import contract
 
 RECORDS = "attention.json"
-PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_det", "eager", "hf", "flex",
-             "sdpa_flash", "fa2_ref")
+PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_addresses", "xlnet_fast_det",
+             "eager", "hf", "flex", "sdpa_flash", "fa2_ref")
 CPU_PROVIDERS = ("eager", "hf")
 # providers that compute XLNet attention (the others: plain attention of the same shapes)
-XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_det", "eager", "hf",
-                   "flex")
+XLNET_PROVIDERS = ("xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_addresses",
+                   "xlnet_fast_det", "eager", "hf", "flex")
 FLOPS_CONVENTION = "4*B*H*M*K*D fwd, x2.5 fwd+bwd"
 # the tile of bench.compiler.fa2_reference on a GPU: the compile report's reference row (bench/NOTES.md)
 FA2_REF_TILES = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
@@ -181,7 +183,7 @@ def provider_call(name: str, inputs: cases.OpCall, leaves: dict):
     if name in ("xlnet_fast", "xlnet_fast_det", "eager"):
         backend = "eager" if name == "eager" else "triton"
         return lambda: inputs.with_floats(leaves).call(backend=backend)
-    if name in ("xlnet_fast_prepared", "xlnet_fast_pointers"):
+    if name in ("xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_addresses"):
         call = inputs.prepared().with_floats(leaves)
         return lambda: call.call(backend="triton")
     if name == "hf":
@@ -199,7 +201,7 @@ def provider_output(name: str, inputs: cases.OpCall, leaves: dict | None = None)
     """``name``'s forward output on the case's floats (or ``leaves``) as ``(B, M, H, D)``."""
     with torch.no_grad():
         run = provider_call(name, inputs, dict(inputs.floats if leaves is None else leaves))
-        out = (_pointer_loads(run) if name == "xlnet_fast_pointers" else run)()
+        out = _variant(name, run)()
     if name == "hf":
         return out.transpose(0, 1)
     return out.transpose(1, 2) if name == "sdpa_flash" else out
@@ -213,12 +215,18 @@ def _deterministic(run):
     return step
 
 
-def _pointer_loads(run):
-    """``run`` with the kernels reading their tiles through pointers (its backward included)."""
-    from xlnet_fast import kernels
+def _variant(name: str, run):
+    """``run`` as provider ``name`` runs it (its backward included): ``xlnet_fast_pointers`` with the
+    kernels reading their tiles through pointers, ``xlnet_fast_addresses`` with the bound launches
+    passing addresses; the others as they are."""
+    if name not in ("xlnet_fast_pointers", "xlnet_fast_addresses"):
+        return run
+    from xlnet_fast import kernels  # (imported only for these: the others may run without triton)
+
+    context = kernels.pointer_loads if name == "xlnet_fast_pointers" else kernels.launch.addresses
 
     def step():
-        with kernels.pointer_loads():
+        with context():
             return run()
     return step
 
@@ -228,9 +236,7 @@ def provider_fn(name: str, inputs: cases.OpCall, mode: str):
     if name == "fa2_ref" and mode == "fwd_bwd":  # no autograd: its own backward kernels
         return _fa2_ref_call(inputs.floats, backward=True)
     leaves = {k: v.detach().requires_grad_(mode == "fwd_bwd") for k, v in inputs.floats.items()}
-    run = provider_call(name, inputs, leaves)
-    if name == "xlnet_fast_pointers":
-        run = _pointer_loads(run)
+    run = _variant(name, provider_call(name, inputs, leaves))
     if mode == "fwd":
         def step():
             with torch.no_grad():

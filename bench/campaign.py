@@ -123,7 +123,9 @@ GPU_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "xlnet_fast_
 # Profiled per kernel at each D's first point (the first GPU run's most telling measurement).
 PROFILED = ("xlnet_fast", "xlnet_fast_pointers", "xlnet_fast_det", "fa2_ref")
 # what the H100's op table compared them with (our eager path: "unfused eager"), whatever the plan's providers
-ANOMALY_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "eager")
+ANOMALY_PROVIDERS = ("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "eager",
+                     # where the host bounds a call: the launcher's per-argument checks, timed ("2026-11-29 (8)")
+                     "xlnet_fast_addresses")
 # The ncu step: Nsight Compute (clocks left alone) on the attention kernels, ours and the FA2
 # reference's, one forward+backward each after a warm-up (bench.attention --ncu), with the sections
 # the H100's runbook read, the shared-memory bank conflicts and wavefronts (what the compile report's
@@ -234,8 +236,8 @@ PLANS = {
         pytest_k="head_dims_past_the_kernels_limit", pytest_workers=1,  # one fast test
         checks=((*_DRY_CHECK, (torch.bfloat16,), True),), config_check=_DRY_CHECK,
         sweep_D=(16,), sweep_points=((16, 8),), sweep_H=2, sweep_tokens=16, sweep_dtype="fp32",
-        providers=("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "xlnet_fast_pointers", "hf", "eager",
-                   "xlnet_fast_det", "fa2_ref", "flex"),
+        providers=("xlnet_fast", "sdpa_flash", "xlnet_fast_prepared", "xlnet_fast_pointers", "xlnet_fast_addresses",
+                   "hf", "eager", "xlnet_fast_det", "fa2_ref", "flex"),
         models=(("tiny_1_layer", cases.ModelCase("tiny", B=1, seq=16, mlen=8, predict=4, vocab=100, n_layer=1)),),
         model_repeats=1, infer_B=1, model_providers=("hf", "patched", "native"), memory_size="tiny",
         memory_dtype="fp32", memory_lengths=(16, 32), memory_tgt_len=8, generation_lengths=(24,),
@@ -410,10 +412,11 @@ def sweep_calls(plan: Plan) -> list:
         return lambda: attention.provider_fn(provider, cases.attention_inputs(case, "meta"), mode)()
 
     ours = [p for p in plan.providers if p.startswith("xlnet_fast")]
+    ours_off_grid = [p for p in ANOMALY_PROVIDERS if p.startswith("xlnet_fast")]  # whatever the plan's providers
     calls = []
     for D in plan.sweep_D:
         d_cases = [c for c in plan.sweep_cases() if c.D == D]
-        shapes = [(d_cases[0], ours)] + [(c, [p for p in ours if p in ANOMALY_PROVIDERS]) for c in plan.extra_cases(D)]
+        shapes = [(d_cases[0], ours)] + [(c, ours_off_grid) for c in plan.extra_cases(D)]
         for case, providers in shapes + [(c, ours) for c in d_cases[1:]]:
             calls += [(f"{p} {m} D={case.D} {case.B}x{case.H} {case.qlen}/{case.mlen}", call(p, case, m))
                       for m in SWEEP_MODES for p in providers if attention.runs_in_mode(p, m)]

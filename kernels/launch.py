@@ -16,7 +16,28 @@ checks the bound launches against triton's JIT on a fake GPU).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
+
+import torch
+
+# Whether bound launches pass each tensor argument's address (an int) instead of the tensor: triton
+# 3.6's launcher then calls no data_ptr() and asks the driver nothing (cuPointerGetAttribute) per
+# argument, ~20 per attention launch. Off until a GPU has timed it against tensors (``addresses``;
+# bench/NOTES.md, "2026-11-29 (8)").
+ADDRESSES = False
+
+
+@contextlib.contextmanager
+def addresses(enabled: bool = True):
+    """Inside (a call and its backward), bound launches pass tensor arguments as their addresses."""
+    global ADDRESSES
+    saved, ADDRESSES = ADDRESSES, enabled
+    try:
+        yield
+    finally:
+        ADDRESSES = saved
+
 
 class _Bound:
     """One kernel's launch at one call shape: the compiled kernel's runner for its grid, its
@@ -37,8 +58,13 @@ class _Bound:
 
     def __call__(self, tensors: dict) -> None:
         args = self.template.copy()
-        for i, name in self.slots:
-            args[i] = tensors[name]
+        if ADDRESSES:
+            for i, name in self.slots:
+                value = tensors[name]
+                args[i] = value.data_ptr() if isinstance(value, torch.Tensor) else value
+        else:
+            for i, name in self.slots:
+                args[i] = tensors[name]
         self.runner(*args)
 
 

@@ -75,14 +75,14 @@ def test_dry_run_writes_its_files_and_measures_every_step(tmp_path):
     assert each_config["config"] == "each" and "fixed tiles" in each_config["reason"]
     # the sweep: every provider on the same shape
     [agree] = by(records, op="provider_agreement")
-    assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers", "hf",
-                                                   "flex"}
+    assert set(agree["rel_err_vs_eager_fp32"]) == {"xlnet_fast", "xlnet_fast_prepared", "xlnet_fast_pointers",
+                                                   "xlnet_fast_addresses", "hf", "flex"}
     assert max(agree["rel_err_vs_eager_fp32"].values()) < 1e-5
     timed = by(records, op="xlnet_attn", status="ok")
     assert {(r["provider"], r["mode"]) for r in timed if not r.get("repeat")} == {
         ("xlnet_fast", "fwd"), ("xlnet_fast", "fwd_bwd"), ("xlnet_fast_prepared", "fwd"),
         ("xlnet_fast_prepared", "fwd_bwd"), ("xlnet_fast_pointers", "fwd"), ("xlnet_fast_pointers", "fwd_bwd"),
-        ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
+        ("xlnet_fast_addresses", "fwd"), ("xlnet_fast_addresses", "fwd_bwd"), ("xlnet_fast_det", "fwd_bwd"), ("eager", "fwd"),
         ("eager", "fwd_bwd"), ("hf", "fwd"), ("hf", "fwd_bwd"), ("flex", "fwd"), ("fa2_ref", "fwd"),
         ("fa2_ref", "fwd_bwd")}
     assert all(r["ms"] > 0 and r["tflops"] > 0 and r["D"] == 8 for r in timed)  # --sweep-D 8
