@@ -342,3 +342,44 @@ def test_runner_sweep_order_and_records(tmp_path):
     path.write_text("{}")
     with pytest.raises(ValueError, match="JSON list"):
         runner.append_records(path, [{"n": 3}])
+
+
+def test_gpu_profile_sums_the_kernels_and_times_the_host_per_call(monkeypatch):
+    """``runner.gpu_profile`` (CUDA only; torch's profiler and CUDA's synchronize faked here): the
+    kernels' time per call, the largest first, the host waits less the profile's own closing one,
+    and the host's time per call from HOST_TIMED_CALLS calls each after a synchronize, outside the
+    profile."""
+    import torch.profiler
+
+    events = []
+
+    class Event:
+        def __init__(self, key, us, count):
+            self.key, self.self_device_time_total, self.count = key, us, count
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            events.append("profile on")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("profile off")
+
+        def key_averages(self):
+            return [Event("_fwd_kernel", 600.0, 2), Event("_bwd_q_kernel", 900.0, 2),
+                    Event("cudaDeviceSynchronize", 0.0, 3)]
+
+    clock = iter(range(100))
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(runner.time, "perf_counter", lambda: next(clock) * 0.5e-3)  # each call 0.5 ms
+    found = runner.gpu_profile(lambda: events.append("step"), calls=2)
+    assert [k["kernel"] for k in found["kernels"]] == ["_bwd_q_kernel", "_fwd_kernel"]
+    assert found["gpu_ms_per_call"] == pytest.approx(0.75) and found["launches_per_call"] == 2
+    assert found["host_waits_per_call"] == 1.0  # 3 synchronizes, the profile's own closing one not counted
+    assert found["host_ms_per_call"] == pytest.approx(0.5)
+    timed = events[events.index("profile off") + 1:]
+    assert timed == ["step", "sync"] * runner.HOST_TIMED_CALLS  # each timed call from an idle GPU
