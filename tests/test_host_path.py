@@ -86,8 +86,8 @@ def test_a_layer_call_makes_at_most_4_launches_forward_and_9_with_backward(gpu_l
     kernel; backward = dO's operands with the query operands again (kept, they would cost 2x q's
     memory per layer) in one pass, which also clears dk_r's sums, dK/dV and its segment fix-up, dQ,
     the sums per batch row and head (with dk_r's conversion), their sum per head. Counted at the
-    second call: the first
-    on a device also makes the dQ kernel's column numbers (``kernels._column_numbers``, once per device)."""
+    second call: the first on a device also makes the dQ kernel's column numbers
+    (``kernels._column_numbers``, once per device)."""
     from bench.host_cost import _CountOps
 
     call, leaves, upstream = layer_call()
