@@ -180,6 +180,30 @@ def _device_guard(device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device.index)
 
 
+@contextlib.contextmanager
+def _unfilled():
+    """Inside, new tensors are not filled. ``torch.utils.deterministic.fill_uninitialized_memory``
+    (on by default) makes torch fill every tensor it allocates while deterministic algorithms are on
+    (NaN, an integer's largest value), so that a read of memory nobody wrote gives the same result
+    each run; on a GPU that is one kernel per tensor. The kernels write every element they read back
+    and every element of the results they return, so the fills did nothing but cost: 31 launches and
+    0.44 of the 6.2 ms of a deterministic fwd+bwd on an H200 (32x16 512/384, D=128; bench/NOTES.md).
+    The setting is process-wide: it is the caller's again on the way out, and an allocation another
+    thread makes meanwhile is not filled either."""
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def _allocations() -> contextlib.AbstractContextManager:
+    """What a call's allocations run under: ``_unfilled`` where torch would fill them, else nothing."""
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        return _unfilled()
+    return contextlib.nullcontext()
+
+
 # --------------------------------------------------------------------------------------------------
 # The mask tables (built once per set of masks: docs/DESIGN.md §5.6)
 # --------------------------------------------------------------------------------------------------
@@ -204,7 +228,7 @@ def mask_tables(a, B: int, M: int, K: int, device) -> tuple[torch.Tensor, torch.
     ``q_pos``, ``qlen``, ``self_rows``; with ``attn_mask`` every key tile is tested): built once per
     set of masks and reused by every call that has them (the model's layers, forward and backward),
     in two launches, three with segments (``tables.py``). No host sync."""
-    with _device_guard(device):
+    with _device_guard(device), _allocations():
         return _mask_tables(a, B, M, K, device)
 
 
@@ -733,7 +757,7 @@ def _scoreless(q, a) -> bool:
 def forward(q, k, v, k_r, r_w_bias, r_r_bias, a):
     """Fused forward. ``q`` holds the caller's rows [0, L) and ``a.q_g`` (when given) the rest.
     Returns ``out (B, M, H, D)`` in q's dtype and ``lse (B, H, M)`` float32."""
-    with _device_guard(q.device):
+    with _device_guard(q.device), _allocations():
         return _forward(q, k, v, k_r, r_w_bias, r_r_bias, a)
 
 
@@ -795,7 +819,7 @@ def backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g=None, d
     """
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    with _device_guard(q.device):
+    with _device_guard(q.device), _allocations():
         return _backward(dout, q, k, v, k_r, r_w_bias, r_r_bias, a, out, lse, dout_g, deterministic)
 
 

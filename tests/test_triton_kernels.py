@@ -467,6 +467,63 @@ def test_deterministic_dk_r_is_bitwise_reproducible():
     assert torch.equal(runs[0], runs[1])
 
 
+class _Allocations:
+    """``torch.empty`` and ``torch.empty_like`` (what the kernels' launcher allocates with), recording
+    torch's deterministic-fill setting at each new tensor; ``poison``: each filled as memory nobody
+    wrote may be, "nan" (torch's own fill: NaN, an integer's largest value) or "garbage" (large finite
+    floats, arbitrary integers and bytes)."""
+
+    def __init__(self, monkeypatch, poison: str | None):
+        self.poison, self.filled = poison, []
+        self.garbage = torch.Generator().manual_seed(7)
+        for name in ("empty", "empty_like"):
+            monkeypatch.setattr(torch, name, self.wrap(getattr(torch, name)))
+
+    def wrap(self, allocate):
+        def allocated(*args, **kwargs):
+            out = allocate(*args, **kwargs)
+            self.filled.append(torch.utils.deterministic.fill_uninitialized_memory)
+            if self.poison == "nan":
+                out.fill_(float("nan") if out.is_floating_point() else torch.iinfo(out.dtype).max)
+            elif self.poison == "garbage" and out.numel():
+                if out.is_floating_point():
+                    out.copy_(torch.randn(out.shape, generator=self.garbage) * 1e30)
+                else:
+                    out.copy_(torch.randint(-2**31, 2**31 - 1, out.shape, generator=self.garbage))
+            return out
+        return allocated
+
+
+@pytest.mark.parametrize("name", ["target_rows_with_padding", "content_seg_mem", "dense_uni"])
+def test_deterministic_mode_leaves_the_kernels_buffers_unfilled_and_reads_none_unwritten(name, monkeypatch):
+    """Under torch.use_deterministic_algorithms torch fills every new tensor (NaN, an integer's
+    largest value): one kernel each on a GPU, 31 in a deterministic fwd+bwd (bench/NOTES.md). The
+    kernels write all they read, so a call allocates unfilled and gives the caller's setting back;
+    and it reads nothing it did not write: every buffer and result filled as torch would, or with
+    garbage, as it is made gives the same outputs and gradients bit for bit, with dropout (its keep
+    bytes) and dS kept."""
+    case = make_case(**CASES[name], dtype=torch.float32).to(device=DEVICE)
+    dout = torch.randn(case.q.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    runs, modes = [], []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for poison in (None, "nan", "garbage"):
+            torch.manual_seed(5)  # the op's dropout seed: its first draw
+            with monkeypatch.context() as patch:
+                modes.append(_Allocations(patch, poison))
+                runs.append(grads(functools.partial(triton_attention, dropout_p=0.3), case, dout))
+            assert torch.utils.deterministic.fill_uninitialized_memory
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # the kernels' own buffers: outputs, query operands, tables, dS, partial sums (~30 a call)
+    assert all(mode.filled.count(False) >= 20 for mode in modes)
+    (out, g), rest = runs[0], runs[1:]
+    for other_out, other_g in rest:
+        assert torch.equal(other_out, out)
+        for n, a, b in zip(GRAD_NAMES, other_g, g):
+            assert torch.equal(a, b), n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the atomics' order varies only on a GPU")
 @pytest.mark.parametrize("targets", [False, True])
 def test_deterministic_gradients_are_bitwise_reproducible_on_gpu(targets):
