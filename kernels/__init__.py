@@ -186,8 +186,8 @@ def _unfilled():
     (on by default) makes torch fill every tensor it allocates while deterministic algorithms are on
     (NaN, an integer's largest value), so that a read of memory nobody wrote gives the same result
     each run; on a GPU that is one kernel per tensor. The kernels write every element they read back
-    and every element of the results they return, so the fills did nothing but cost: 31 launches and
-    0.44 of the 6.2 ms of a deterministic fwd+bwd on an H200 (32x16 512/384, D=128; bench/NOTES.md).
+    and every element of the results they return, so the fills did nothing but cost: ~30 launches and
+    ~0.42 of the 6.2 ms of a deterministic fwd+bwd on an H200 (32x16 512/384, D=128; bench/NOTES.md).
     The setting is process-wide: it is the caller's again on the way out, and an allocation another
     thread makes meanwhile is not filled either."""
     torch.utils.deterministic.fill_uninitialized_memory = False

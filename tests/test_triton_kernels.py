@@ -497,7 +497,7 @@ class _Allocations:
 @pytest.mark.parametrize("name", ["target_rows_with_padding", "content_seg_mem", "dense_uni"])
 def test_deterministic_mode_leaves_the_kernels_buffers_unfilled_and_reads_none_unwritten(name, monkeypatch):
     """Under torch.use_deterministic_algorithms torch fills every new tensor (NaN, an integer's
-    largest value): one kernel each on a GPU, 31 in a deterministic fwd+bwd (bench/NOTES.md). The
+    largest value): one kernel each on a GPU, ~30 in a deterministic fwd+bwd (bench/NOTES.md). The
     kernels write all they read, so a call allocates unfilled and gives the caller's setting back;
     and it reads nothing it did not write: every buffer and result filled as torch would, or with
     garbage, as it is made gives the same outputs and gradients bit for bit, with dropout (its keep
