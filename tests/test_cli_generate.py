@@ -51,7 +51,7 @@ def test_eval_command_prints_the_perplexity(txl_dir, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--seq-len", "8"], "--seq-len: XLNet's record layout"),
     # regression: the checkpoint and prepared-data checks do not apply to a Transformer-XL directory
-    (["--no-verify"], "--no-verify: XLNet's record layout and checkpoint"),
+    (["--no-verify"], "--no-verify: XLNet's record layout, checkpoint"),
     (["--verify-data"], "--verify-data: XLNet's"),
     (["--tgt-len", "0"], "--tgt-len must be a positive integer, got 0"),
     (["--mem-len", "-1"], "--mem-len must be 0 or a positive integer"),

@@ -327,3 +327,134 @@ def test_info_without_a_gpu_says_what_the_triton_backend_is(monkeypatch, capsys,
     assert not line.startswith("triton backend usable: yes")
     if triton_status()[0]:
         assert "for tests" in line and ("only in Triton's CPU interpreter" in line) == (interpret == "1")
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Found by probing the commands as a careless user would (bench/NOTES.md, 2026-11-30)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_loss_png_of_the_users_is_kept_by_plot_and_by_a_run(run, corpus, cache, tmp_path, capsys):
+    """RUN_DIR/loss.png was replaced whatever it held, by ``plot RUN_DIR`` and at the end of a run
+    (``--out`` of plot was checked, the default path not)."""
+    pytest.importorskip("matplotlib")
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    (copy / "loss.png").write_text("my notes")
+    assert main(["plot", str(copy)]) == 2
+    assert "loss.png exists and is not a plot" in one_error_line(capsys)
+    assert (copy / "loss.png").read_text() == "my notes"
+    os.remove(copy / "loss.png")
+    assert main(["plot", str(copy)]) == 0 and main(["plot", str(copy)]) == 0  # its own plot, drawn again
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "loss.png").write_text("my notes")
+    pretrain(train_config(fresh, corpus, cache, steps=1))
+    assert (fresh / "loss.png").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("command", [["tokenizer", "train", "CORPUS", "--vocab-size", "60"],
+                                     ["data", "prepare", "CORPUS", "--tokenizer", "TOK"],
+                                     ["export", "RUN"], ["plot", "RUN"]])
+def test_an_empty_out_is_refused_not_taken_for_the_working_directory(command, run, tok, corpus, tmp_path, monkeypatch,
+                                                                     capsys):
+    """``tokenizer train --out ""`` wrote into the working directory over a tokenizer.json there
+    (``os.path.lexists("")`` is False: the directory looked new)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("mine")
+    argv = [{"CORPUS": corpus, "TOK": str(tok), "RUN": str(run)}.get(a, a) for a in command]
+    assert main([*argv, "--out", ""]) == 2
+    assert "--out is empty" in one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["tokenizer.json"] and (tmp_path / "tokenizer.json").read_text() == "mine"
+
+
+def test_a_vocabulary_below_the_texts_characters_and_a_text_of_overlong_lines_are_one_line(corpus, tmp_path, capsys):
+    """sentencepiece's CHECK failures came out as tracebacks (exit 1): a --vocab-size below the
+    characters the text needs, and a text whose every line is past its 4192 bytes."""
+    assert main(["tokenizer", "train", corpus, "--vocab-size", "10", "--out", str(tmp_path / "a")]) == 2
+    assert "--vocab-size 10 is below the" in one_error_line(capsys)
+    long = tmp_path / "long.txt"
+    long.write_text(" ".join(["word"] * 2000) + "\n")
+    assert main(["tokenizer", "train", str(long), "--vocab-size", "60", "--out", str(tmp_path / "b")]) == 2
+    assert "longer than 4192 bytes" in one_error_line(capsys)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("command", ["pretrain", "generate", "eval"])
+def test_a_forced_triton_backend_without_a_gpu_is_refused_before_anything_is_written(command, run, corpus, cache,
+                                                                                    tmp_path, monkeypatch, capsys):
+    """``--backend triton`` on a machine without CUDA (and not in the interpreter) failed at the first
+    forward with a traceback; pretrain left a run directory that refused the retry."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = tmp_path / "out"
+    argv = {"pretrain": ["pretrain", "--data", corpus, "--out", str(out), "--cache-dir", cache, *LAYOUT, "--steps", "1"],
+            "generate": ["generate", "--model", str(run), "--prompt", "the"],
+            "eval": ["eval", "--model", str(run), "--data", corpus, "--cache-dir", cache]}[command]
+    assert main([*argv, "--backend", "triton"]) == 2
+    assert "--backend triton: backend='triton' needs CUDA tensors" in one_error_line(capsys)
+    assert not out.exists()
+
+
+def test_prepare_refuses_more_workers_than_the_machine_can_hold(tok, corpus, tmp_path, capsys):
+    """``data prepare --workers 100000`` forked thousands of processes until the machine ran out of
+    memory, leaving its lock and index behind."""
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", corpus, "--tokenizer", str(tok), "--out", str(out), "--workers", "100000"]) == 2
+    assert "--workers 100000: at most 4 x the" in one_error_line(capsys)
+    assert not out.exists()
+
+
+def test_resume_without_a_checkpoint_keeps_the_metrics_it_would_have_deleted(corpus, cache, tmp_path, capsys):
+    """``--resume`` on a run directory with metrics but no checkpoint (a run killed before its first
+    save) started over and deleted them, where a plain run there asks for --overwrite."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 7.5}\n')
+    argv = ["pretrain", "--data", corpus, "--out", str(out), "--cache-dir", cache, *LAYOUT, "--steps", "1",
+            "--backend", "eager", "--no-progress"]
+    assert main([*argv, "--resume"]) == 2
+    assert "holds metrics.jsonl but no checkpoint" in one_error_line(capsys)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 7.5}\n'
+
+
+def test_the_last_steps_checkpoint_is_saved_before_its_evaluation(corpus, cache, tmp_path, monkeypatch):
+    """Ctrl-C during the last step's evaluation (which does not look at Ctrl-C) lost the whole run
+    when nothing was saved before (``--save-every 0``, the default): the last step saved after it."""
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.Trainer, "_evaluate", interrupted)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        pretrain(train_config(out, corpus, cache, steps=2, save_every=0))
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_0000002"]
+
+
+def test_fsdp_in_one_process_says_it_shards_nothing(corpus, cache, tmp_path, caplog):
+    """``--fsdp`` without torchrun was silently ignored."""
+    with caplog.at_level(logging.WARNING, logger="xlnet_fast"):
+        pretrain(train_config(tmp_path / "run", corpus, cache, steps=1, fsdp=True))
+    assert any("--fsdp: a single process has nothing to shard" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("flags", [["--top-k", "5"], ["--temperature", "0.7"], ["--top-p", "0.9"], ["--seed", "3"]])
+def test_sampling_settings_without_sample_are_refused(flags, run, capsys):
+    """``generate`` decodes greedily unless --sample: its sampling settings were ignored without it."""
+    assert main(["generate", "--model", str(run), "--prompt", "the", *flags]) == 2
+    assert f"{flags[0]}: sampling settings, but decoding is greedy: add --sample" in one_error_line(capsys)
+
+
+def test_eval_of_a_transfo_xl_directory_refuses_the_data_cache_it_does_not_use(tmp_path, capsys):
+    """``eval --model TXL_DIR --cache-dir D`` ignored --cache-dir (a Transformer-XL directory's text is
+    read as it is), while --verify-data on the same command was refused."""
+    from helpers.transfo_xl import SMALL, write_hf4_dir
+
+    write_hf4_dir(tmp_path / "txl", SMALL)
+    (tmp_path / "text.txt").write_text("a b c\n")
+    argv = ["eval", "--model", str(tmp_path / "txl"), "--data", str(tmp_path / "text.txt")]
+    assert main([*argv, "--cache-dir", str(tmp_path / "cache")]) == 2
+    assert "--cache-dir: XLNet's record layout" in one_error_line(capsys)
+    assert not (tmp_path / "cache").exists()

@@ -7,6 +7,7 @@ and trains on two ranks as on one."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -187,6 +188,31 @@ def test_tiny_run_learns_and_evaluates_with_memory(txl_run, corpus, capsys):
     assert longer["mem_len"] == 48 and longer["eval_tokens"] == row["eval_tokens"]
     assert main(["eval", "--model", str(root / "run"), "--seq-len", "8"]) == 2
     assert "--seq-len: XLNet's record layout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--tgt-len", "--batch-size", "--batches"])
+def test_eval_of_a_run_refuses_zero_as_it_does_for_other_models(txl_run, flag, capsys):
+    """``eval`` of a Transformer-XL run took 0 for "not given" (``x or default``): --tgt-len 0 printed
+    the run's tgt_len; an XLNet's eval and a Transformer-XL directory's refuse it."""
+    root, _ = txl_run
+    assert main(["eval", "--model", str(root / "run"), "--cache-dir", str(root / "cache"), flag, "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} must be a positive integer, got 0" in err[0], err
+
+
+def test_eval_of_a_run_refuses_a_tokenizer_of_another_vocabulary(txl_run, corpus, tmp_path, capsys):
+    """A tokenizer smaller than the model's vocabulary (the run's own less its last words) was taken
+    and gave a loss over other ids; ``generate`` refuses any other size, and now ``eval`` too."""
+    root, res = txl_run
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(os.path.join(res["checkpoint"], "tokenizer_config.json"), tok)
+    words = open(os.path.join(res["checkpoint"], "vocab.txt"), encoding="utf-8").read().splitlines()
+    (tok / "vocab.txt").write_text("\n".join(words[:-3]) + "\n", encoding="utf-8")
+    assert main(["eval", "--model", str(root / "run"), "--cache-dir", str(root / "cache"), "--tokenizer", str(tok),
+                 "--data", corpus, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"has {len(words) - 3} symbols but the model's vocabulary {len(words)}" in err[0], err
 
 
 def test_tiny_run_resumes_exactly(txl_run, corpus):

@@ -176,12 +176,16 @@ def _tokenizer_train(args: argparse.Namespace) -> int:
 def _data_prepare(args: argparse.Namespace) -> int:
     from .pretrain.corpus import check_readable
     from .pretrain.errors import UsageError
-    from .pretrain.prepare import prepare_corpus
+    from .pretrain.prepare import default_workers, prepare_corpus
     from .pretrain.tokenizers import load_tokenizer_dir
 
     for flag, value in (("--workers", args.workers), ("--shard-tokens", args.shard_tokens)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
+    cores = default_workers()
+    if args.workers is not None and args.workers > 4 * cores:
+        raise UsageError(f"--workers {args.workers}: at most 4 x the {cores} usable cores ({4 * cores}); each worker "
+                         "is a process holding the tokenizer and its chunks")
     check_readable(args.files)
     try:
         tokenizer = load_tokenizer_dir(args.tokenizer)
@@ -240,6 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
 
+def _check_forced_backend(backend: str | None) -> None:
+    """``--backend triton`` where it cannot run (no CUDA and no interpreter, triton missing): one line,
+    before any set-up, instead of a ``RuntimeError`` from the first forward."""
+    if backend != "triton":
+        return
+    import torch
+
+    from .attention.backends import resolve_backend
+    from .pretrain.errors import UsageError
+
+    try:
+        resolve_backend("triton", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        raise UsageError(f"--backend triton: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command. Each error is one line on stderr, never a traceback: a user's mistake (a bad
     flag, an unusable input file or checkpoint) exits 2, an environment failure (disk full, permission,
@@ -249,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     try:
+        _check_forced_backend(getattr(args, "backend", None))
         return args.func(args)
     except (UsageError, CheckpointError) as exc:
         _error(str(exc))

@@ -15,7 +15,7 @@ import time
 
 from .transfo_xl.config import MEM_STARTS
 
-XLNET_ONLY_EVAL_FLAGS = ("seq_len", "reuse_len", "num_predict", "perm_size", "no_verify", "verify_data")
+XLNET_ONLY_EVAL_FLAGS = ("seq_len", "reuse_len", "num_predict", "perm_size", "no_verify", "verify_data", "cache_dir")
 TRANSFO_XL_EVAL_FLAGS = ("tgt_len", "clamp_len", "same_length", "mem_start")
 MEM_START_HELP = ("the memory the text starts from: zeros (transformers 4.x's mem_len zero rows) or empty (the "
                   "original code's) (default: the model's config.mem_start, zeros unless set)")
@@ -48,8 +48,9 @@ def eval_transfo_xl(args: argparse.Namespace) -> int:
 
     given = [_flag(n) for n in XLNET_ONLY_EVAL_FLAGS if getattr(args, n, None) is not None]
     if given:
-        raise UsageError(f"{', '.join(given)}: XLNet's record layout and checkpoint/prepared-data checks; a "
-                         "Transformer-XL is evaluated with --tgt-len, --mem-len, --clamp-len, --same-length")
+        raise UsageError(f"{', '.join(given)}: XLNet's record layout, checkpoint and prepared-data checks and data "
+                         "cache; a Transformer-XL directory is evaluated with --tgt-len, --mem-len, --clamp-len, "
+                         "--same-length")
     result = evaluate_transfo_xl_dir(
         args.model, args.data, tgt_len=DEFAULT_TGT_LEN if args.tgt_len is None else args.tgt_len, mem_len=args.mem_len,
         clamp_len=args.clamp_len, same_length=args.same_length, mem_start=args.mem_start,
@@ -173,6 +174,12 @@ def generate_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-k must be 0 (all tokens) or a positive integer, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not args.sample:
+        given = [flag for flag, value, default in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
+                                                   ("--top-p", args.top_p, 1.0), ("--seed", args.seed, 0))
+                 if value != default]
+        if given:
+            raise UsageError(f"{', '.join(given)}: sampling settings, but decoding is greedy: add --sample")
     model, encode, decode, kind = _load(args)
     ids = encode(args.prompt)
     if not ids:

@@ -163,9 +163,10 @@ def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None 
 
     settings = src.record["settings"]
     world = src.record.get("world_size") or 1
-    tgt_len = overrides.pop("tgt_len", None) or settings["tgt_len"]
-    n_rows = rows or settings["batch_size"] * world
-    n_batches = batches or settings.get("eval_batches") or 10
+    tgt_len = overrides.pop("tgt_len", None)
+    tgt_len = settings["tgt_len"] if tgt_len is None else tgt_len
+    n_rows = settings["batch_size"] * world if rows is None else rows
+    n_batches = (settings.get("eval_batches") or 10) if batches is None else batches
     for flag, value in (("--tgt-len", tgt_len), ("--batch-size", n_rows), ("--batches", n_batches)):
         if value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
@@ -173,8 +174,9 @@ def evaluate_checkpoint(src, data: list[str] | None = None, batches: int | None 
     cache_dir = default_cache_dir(cache_dir)
     tokens, what = eval_tokens(src, data, tok, cache_dir, verify_data, progress)
     lm = load_lm(src, **{k: v for k, v in overrides.items() if v is not None})
-    if tok.vocab_size > lm.config.vocab_size:
-        raise UsageError(f"the tokenizer has {tok.vocab_size} symbols, the model only {lm.config.vocab_size}")
+    if tok.vocab_size != lm.config.vocab_size:
+        raise UsageError(f"the tokenizer has {tok.vocab_size} symbols but the model's vocabulary "
+                         f"{lm.config.vocab_size}: pass the model's own with --tokenizer DIR")
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lm.to(device)
     evaluator = StreamEvaluator(tokens, tgt_len, n_rows, n_batches, source=what)

@@ -255,6 +255,9 @@ class Trainer:
             for layer in layers:
                 layer.forward = _checkpointed(layer.forward)
         model = self.trainable = self.objective.trainable(raw_model)  # the model, or a loss around it
+        if c.fsdp and self.world == 1 and self.rank == 0:
+            logger.warning("--fsdp: a single process has nothing to shard: training without FSDP2 (run under "
+                           "torchrun with several ranks)")
         if c.fsdp and self.world > 1:  # one rank has nothing to shard
             from torch.distributed.fsdp import fully_shard
 
@@ -380,9 +383,12 @@ class Trainer:
                     self.step += 1
                     self._report(last_loss, grad_norm, time.perf_counter() - t_step)
                     preempted = agree(stop.requested, self.world, self.device)
+                    save_due = (c.save_every and self.step % c.save_every == 0) or self.step == c.steps or preempted
+                    if save_due and self.step == c.steps:  # the last step's weights are safe before its evaluation
+                        self._save()
                     if self._eval_due() and not preempted:
                         self._evaluate()
-                    if (c.save_every and self.step % c.save_every == 0) or self.step == c.steps or preempted:
+                    if save_due and self.step != c.steps:
                         self._save()
                     if preempted:
                         if self.rank == 0:

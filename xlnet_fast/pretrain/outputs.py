@@ -107,6 +107,8 @@ def check_output_dir(out: str | os.PathLike, *, command: str, flag: str = "--out
     whether an earlier output of the command in ``out`` may be replaced (``refuse_earlier_output``);
     None leaves that to the caller (a command that continues its own output)."""
     out = os.fspath(out)
+    if not out:
+        raise UsageError(f"{flag} is empty: give a directory")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise UsageError(f"{flag} {out} is a file, not a directory")
     _check_against_inputs(out, flag, inputs)
@@ -145,6 +147,8 @@ def check_output_file(out: str | os.PathLike, *, command: str, flag: str = "--ou
     """The rule for an output file: not a directory, not an input, not inside a checkpoint or prepared
     data, and an existing file only if ``replaceable`` says the command wrote it."""
     out = os.fspath(out)
+    if not out:
+        raise UsageError(f"{flag} is empty: give a file name")
     if os.path.isdir(out):
         raise UsageError(f"{flag} {out} is a directory, not a file")
     _check_against_inputs(out, flag, inputs)

@@ -122,9 +122,14 @@ def _is_png(path: str) -> bool:
 
 def check_plot_out(run_dir: str, out: str | None) -> None:
     """``--out`` by the output rule (``outputs.check_output_file``): an existing file is replaced only
-    when it is a PNG image, never the run's metrics."""
+    when it is a PNG image, never the run's metrics. Without ``--out``, RUN_DIR/loss.png likewise (a
+    file of the user's by that name was replaced, by ``plot`` and at the end of every run)."""
     if out is not None:
         check_output_file(out, command="plot", inputs=[os.path.join(run_dir, METRICS_NAME)], replaceable=_is_png)
+        return
+    default = os.path.join(run_dir, PLOT_NAME)
+    if os.path.isdir(default) or (os.path.lexists(default) and not _is_png(default)):
+        raise UsageError(f"{default} exists and is not a plot this command drew: move it, or pass --out PATH")
 
 
 def plot_at_end(run_dir: str) -> str:

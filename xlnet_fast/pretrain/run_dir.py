@@ -219,6 +219,9 @@ def _find_start(cfg: TrainConfig) -> _Start:
         if existing:
             raise UsageError(f"--resume: none of the {len(existing)} checkpoints in {root} is readable (see the "
                              "warnings above): pass --overwrite to start over")
+        if os.path.exists(os.path.join(cfg.out, METRICS_NAME)):
+            raise UsageError(f"--resume: {cfg.out} holds {METRICS_NAME} but no checkpoint, so nothing to resume: "
+                             "pass --overwrite instead of --resume to start over (its metrics are deleted)")
         logger.warning("--resume: no checkpoint in %s: starting from step 0", root)
         return _Start()
     record = read_run_record(path)

@@ -599,19 +599,32 @@ def train_tokenizer(files_or_texts: str | os.PathLike | Iterable[str], vocab_siz
     else:
         kwargs["sentence_iterator"] = iter(str(x) for x in items if str(x).strip())
     model = io.BytesIO()
-    spm.SentencePieceTrainer.Train(
-        **kwargs,
-        model_writer=model,
-        model_type="unigram",
-        vocab_size=vocab_size,
-        character_coverage=character_coverage,
-        input_sentence_size=max_sentences,
-        shuffle_input_sentence=True,
-        unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
-        control_symbols=["<cls>", "<sep>", "<mask>", "<eod>", "<eop>"],
-        hard_vocab_limit=False,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.Train(
+            **kwargs,
+            model_writer=model,
+            model_type="unigram",
+            vocab_size=vocab_size,
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            control_symbols=["<cls>", "<sep>", "<mask>", "<eod>", "<eop>"],
+            hard_vocab_limit=False,
+            minloglevel=2,
+        )
+    except RuntimeError as exc:  # sentencepiece's CHECK failures: the text or the size cannot give a tokenizer
+        from .errors import UsageError
+
+        text = str(exc)
+        if "smaller than required_chars" in text:
+            need = re.search(r"(\d+) vs (\d+)", text)
+            raise UsageError(f"--vocab-size {vocab_size} is below the {need.group(2) if need else 'more'} pieces the "
+                             "text's characters and the special tokens need: ask for more") from None
+        if "sentences_.empty()" in text:
+            raise UsageError("no line of the text is usable for the tokenizer (sentencepiece skips lines longer "
+                             "than 4192 bytes): break long lines") from None
+        raise UsageError(f"sentencepiece could not train a tokenizer: {text.strip()}") from None
     pieces = _piece_count(model.getvalue())
     if pieces < vocab_size:
         lines = items if "sentence_iterator" in kwargs else _file_lines(items)
