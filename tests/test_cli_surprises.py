@@ -440,6 +440,14 @@ def test_fsdp_in_one_process_says_it_shards_nothing(corpus, cache, tmp_path, cap
     assert any("--fsdp: a single process has nothing to shard" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("seed", [str(10**23), "-1", str(2**63)])
+def test_a_seed_torch_cannot_take_names_its_flag(seed, run, capsys):
+    """``generate --sample --seed 10**23`` failed with "Overflow when unpacking long long", no flag
+    named; -1 was taken. The range is pretrain's (``settings.MAX_SEED``)."""
+    assert main(["generate", "--model", str(run), "--prompt", "the", "--sample", "--seed", seed]) == 2
+    assert f"--seed must be an integer in [0, 2**63 - 1], got {seed}" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize("flags", [["--top-k", "5"], ["--temperature", "0.7"], ["--top-p", "0.9"], ["--seed", "3"]])
 def test_sampling_settings_without_sample_are_refused(flags, run, capsys):
     """``generate`` decodes greedily unless --sample: its sampling settings were ignored without it."""

@@ -163,6 +163,7 @@ def generate_command(args: argparse.Namespace) -> int:
     import torch
 
     from .pretrain.errors import UsageError
+    from .pretrain.settings import MAX_SEED
 
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
@@ -174,6 +175,8 @@ def generate_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--top-k must be 0 (all tokens) or a positive integer, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed <= MAX_SEED:  # torch's generator took 10**23 with an error naming no flag, and -1
+        raise UsageError(f"--seed must be an integer in [0, 2**63 - 1], got {args.seed}")
     if not args.sample:
         given = [flag for flag, value, default in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
                                                    ("--top-p", args.top_p, 1.0), ("--seed", args.seed, 0))
