@@ -82,9 +82,8 @@ def export_model(source: str, out: str, dtype: str = "fp32", overwrite: bool = F
     is verified against its ``COMPLETE`` first (``verify=False``: sizes, not checksums)."""
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    _check_out(source, out, overwrite)  # before abspath, which makes "" the working directory
+    _check_out(source, out, overwrite)  # as given: abspath would make "" the working directory
     out = os.path.abspath(out)
-    _check_out(source, out, overwrite)
     src = resolve_model_dir(source, "export", verify=verify)
     _check_out(src.path, out, overwrite)  # the checkpoint a run directory resolved to
     parent = os.path.dirname(out)

@@ -383,12 +383,12 @@ class Trainer:
                     self.step += 1
                     self._report(last_loss, grad_norm, time.perf_counter() - t_step)
                     preempted = agree(stop.requested, self.world, self.device)
-                    save_due = (c.save_every and self.step % c.save_every == 0) or self.step == c.steps or preempted
-                    if save_due and self.step == c.steps:  # the last step's weights are safe before its evaluation
+                    last = self.step == c.steps
+                    if last:  # saved before its evaluation, which a Ctrl-C may cut short
                         self._save()
                     if self._eval_due() and not preempted:
                         self._evaluate()
-                    if save_due and self.step != c.steps:
+                    if not last and ((c.save_every and self.step % c.save_every == 0) or preempted):
                         self._save()
                     if preempted:
                         if self.rank == 0:
